@@ -1,0 +1,22 @@
+"""artrl: reinforcement learning for multi-turn, tool-using LLM agents.
+
+`import artrl` is light (no torch): agent code imports it freely. The engine, gateway and trainer live in
+`artrl.local` and load when a model is registered with a `LocalBackend`.
+"""
+
+from artrl.backend import LocalBackend
+from artrl.config import ClientConfig, EngineConfig, GatewayConfig, TinyModelConfig
+from artrl.model import TrainableModel
+from artrl.trajectory import Trajectory, TrajectoryGroup
+
+__all__ = [
+    "ClientConfig",
+    "EngineConfig",
+    "GatewayConfig",
+    "LocalBackend",
+    "TinyModelConfig",
+    "TrainableModel",
+    "Trajectory",
+    "TrajectoryGroup",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""Typed configuration. Every default of the framework lives in this file.
+
+Configs are frozen pydantic models: a knob that is not declared here does not exist, and a typo in a
+keyword argument is an error, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TinyModelConfig(_Frozen):
+    """Shape of a model that `artrl tiny-model` builds offline (a Qwen3-architecture causal LM).
+
+    head_dim stays >= 32 so that vLLM can serve the same folder.
+    """
+
+    vocab_size: int = 2048
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 32
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+
+TINY_MODEL_PRESETS: dict[str, TinyModelConfig] = {
+    # ~0.4M parameters: the test and demo model.
+    "tiny": TinyModelConfig(),
+    # ~27M parameters: the benchmark model (per-token cost of a real, if small, transformer).
+    "small": TinyModelConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
+}
+
+
+class EngineConfig(_Frozen):
+    """The embedded (in-process PyTorch) engine."""
+
+    max_batch_size: int = Field(default=64, ge=1, description="sequences decoded together at most")
+    max_context: int | None = Field(
+        default=None, description="prompt + completion tokens; None = the model's max_position_embeddings"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field(default="auto", description="'auto' picks cuda when available, else cpu")
+    default_max_tokens: int = Field(default=1024, ge=1, description="when a request sets no max_tokens")
+    max_n: int = Field(default=32, ge=1, description="largest `n` one request may ask for")
+
+
+class GatewayConfig(_Frozen):
+    """The OpenAI-compatible HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="0 = a free port chosen at start")
+    api_key: str | None = Field(default=None, description="if set, requests need `Authorization: Bearer <key>`")
+    completion_store_size: int = Field(
+        default=50_000, ge=0, description="completions remembered for token-exact continuation (LRU)"
+    )
+    startup_timeout_s: float = Field(default=60.0, gt=0)
+    max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+
+
+class ClientConfig(_Frozen):
+    """How `TrainableModel.openai_client()` talks to the gateway."""
+
+    timeout_s: float = Field(default=600.0, gt=0)
+    max_retries: int = Field(default=2, ge=0)

@@ -1,0 +1,1 @@
+"""Heavy parts of artrl (torch, transformers, fastapi). Import explicitly; `import artrl` never does."""

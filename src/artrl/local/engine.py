@@ -1,0 +1,76 @@
+"""What the gateway needs from an engine, whichever generates the tokens (embedded PyTorch, or vLLM).
+
+An engine takes exact prompt token ids and returns, per sampled sequence, a stream of sampled token ids
+with their logprobs. It knows nothing about chat templates, tools or HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from artrl.local.sampling import SamplingParams, TokenChoice
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineError(RuntimeError):
+    """The engine failed while producing a sequence (the message says why)."""
+
+
+@dataclass(frozen=True)
+class _End:
+    reason: FinishReason
+    error: str | None = None
+
+
+class SequenceStream:
+    """The tokens of one sampled sequence, pushed by an engine thread, read by the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[TokenChoice | _End] = asyncio.Queue()
+        self._aborted = threading.Event()
+        self.finish_reason: FinishReason | None = None
+
+    # --- engine side (any thread) ---
+    def push(self, choice: TokenChoice) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, choice)
+
+    def end(self, reason: FinishReason, error: str | None = None) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, _End(reason, error))
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    # --- consumer side (event loop) ---
+    def abort(self) -> None:
+        """Stop generating this sequence (the consumer has what it needs, or went away)."""
+        self._aborted.set()
+
+    async def __aiter__(self) -> AsyncIterator[TokenChoice]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, _End):
+                self.finish_reason = item.reason
+                if item.reason == "error":
+                    raise EngineError(item.error or "engine failure")
+                return
+            yield item
+
+
+class Engine(Protocol):
+    """The contract between the gateway and whatever generates tokens."""
+
+    @property
+    def max_context(self) -> int: ...
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
+        """Start n sampled continuations of prompt_ids; must be called from the event loop."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,258 @@
+"""The embedded engine: in-process transformers inference with continuous batching.
+
+One engine thread owns the model while generating. Each iteration it (1) admits the requests that arrived
+since the last iteration (a batched, left-padded prefill), merges their KV cache into the running batch,
+then (2) decodes one token for every running sequence. A request never waits for an unrelated long one:
+it joins the running batch at the next token step. The same model object is what the trainer updates;
+`weights_lock` is held for every forward pass, so a trainer that takes it runs between two token steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from artrl.local.engine import SequenceStream
+from artrl.local.sampling import SamplingParams, sample_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    stream: SequenceStream
+    params: SamplingParams
+    generator: torch.Generator | None
+    generated: int = 0
+    last_token: int = 0
+    next_position: int = 0
+    done: bool = False  # engine side: ended (stop, length or abort) and to be dropped from the batch
+
+    def finish(self, reason) -> None:
+        if not self.done:
+            self.done = True
+            self.stream.end(reason)
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sequences: list[_Sequence]
+
+
+@dataclass
+class _Batch:
+    """Running sequences and their left-padded KV cache. Row i of every tensor belongs to sequences[i]."""
+
+    sequences: list[_Sequence] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H_kv, T, D)
+    values: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H_kv, T, D)
+    mask: torch.Tensor | None = None  # (B, T) long, 0 on padding
+
+
+def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class HFEngine:
+    """Continuous-batching generation over a transformers causal LM (optionally wrapped by PEFT)."""
+
+    def __init__(self, model, *, max_context: int, max_batch_size: int = 64) -> None:
+        self.model = model
+        self._max_context = max_context
+        self._max_batch_size = max_batch_size
+        self.weights_lock = threading.RLock()
+        self._incoming: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._pending: list[_Request] = []
+        self._batch = _Batch()
+        self._closed = False
+        self._device = next(model.parameters()).device
+        # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps forward
+        self._cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self._thread = threading.Thread(target=self._run, name="artrl-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        sequences = []
+        for i in range(n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self._device).manual_seed(params.seed + i)
+            sequences.append(_Sequence(SequenceStream(loop), params, generator))
+        self._incoming.put(_Request(list(prompt_ids), sequences))
+        return [s.stream for s in sequences]
+
+    async def close(self) -> None:
+        self._closed = True
+        self._incoming.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                self._collect_requests(block=not self._batch.sequences)
+                with self.weights_lock, torch.inference_mode():
+                    self._admit()
+                    self._drop_finished()
+                    if self._batch.sequences:
+                        self._decode_step()
+                        self._drop_finished()
+            except Exception as exc:  # never let one bad batch kill the engine thread
+                log.exception("engine step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+        self._fail_all("engine closed", reason="abort")
+
+    def _collect_requests(self, block: bool) -> None:
+        try:
+            item = self._incoming.get(timeout=0.5) if block else self._incoming.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._pending.append(item)
+            try:
+                item = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+        self._closed = True
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        for seq in [s for r in self._pending for s in r.sequences] + self._batch.sequences:
+            if not seq.done:
+                seq.done = True
+                seq.stream.end(reason, message)  # type: ignore[arg-type]
+        self._pending = []
+        self._batch = _Batch()
+
+    def _admit(self) -> None:
+        room = self._max_batch_size - len(self._batch.sequences)
+        admitted: list[_Request] = []
+        while self._pending and (room >= len(self._pending[0].sequences) or (not admitted and room > 0)):
+            request = self._pending.pop(0)
+            if all(s.stream.aborted for s in request.sequences):
+                for s in request.sequences:
+                    s.finish("abort")
+                continue
+            admitted.append(request)
+            room -= len(request.sequences)
+        if admitted:
+            self._prefill(admitted)
+
+    def _forward(self, input_ids, mask, positions, keys, values):
+        cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True))) if keys else DynamicCache()
+        out = self.model(
+            input_ids=input_ids,  # (B, L)
+            attention_mask=mask,  # (B, T_past + L)
+            position_ids=positions,  # (B, L)
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_arg: cache},
+        )
+        layers = getattr(out, self._cache_arg).layers
+        return out.logits[:, -1, :], [layer.keys for layer in layers], [layer.values for layer in layers]
+
+    def _prefill(self, requests: list[_Request]) -> None:
+        length = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), length), 0, dtype=torch.long)  # (R, L)
+        mask = torch.zeros((len(requests), length), dtype=torch.long)  # (R, L)
+        for row, r in enumerate(requests):
+            ids[row, length - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[row, length - len(r.prompt_ids) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (R, L)
+        logits, keys, values = self._forward(
+            ids.to(self._device), mask.to(self._device), positions.to(self._device), [], []
+        )
+        # expand each request's row to its n sequences
+        fanout = torch.tensor([len(r.sequences) for r in requests], device=self._device)  # (R,)
+        logits = logits.repeat_interleave(fanout, dim=0)  # (S, V)
+        keys = [k.repeat_interleave(fanout, dim=0) for k in keys]  # (S, H, L, D)
+        values = [v.repeat_interleave(fanout, dim=0) for v in values]
+        mask = mask.to(self._device).repeat_interleave(fanout, dim=0)  # (S, L)
+        sequences = [s for r in requests for s in r.sequences]
+        for r in requests:
+            for s in r.sequences:
+                s.next_position = len(r.prompt_ids)
+        self._merge(sequences, keys, values, mask)
+        self._emit(sequences, logits)
+
+    def _merge(self, sequences, keys, values, mask) -> None:
+        batch = self._batch
+        if not batch.sequences:
+            self._batch = _Batch(list(sequences), list(keys), list(values), mask)
+            return
+        length = max(batch.mask.shape[1], mask.shape[1])
+        batch.keys = [
+            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in zip(batch.keys, keys)
+        ]
+        batch.values = [
+            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in zip(batch.values, values)
+        ]
+        batch.mask = torch.cat([_left_pad(batch.mask, length, 1), _left_pad(mask, length, 1)])
+        batch.sequences.extend(sequences)
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        ids = torch.tensor([[s.last_token] for s in batch.sequences], device=self._device)  # (B, 1)
+        positions = torch.tensor([[s.next_position] for s in batch.sequences], device=self._device)  # (B, 1)
+        mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.sequences), 1))], dim=1)  # (B, T+1)
+        logits, batch.keys, batch.values = self._forward(ids, mask, positions, batch.keys, batch.values)
+        batch.mask = mask
+        self._emit(batch.sequences, logits)
+
+    def _emit(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence from logits (S, V), push it, and mark finished sequences."""
+        choices = sample_rows(logits, [s.params for s in sequences], [s.generator for s in sequences])
+        for seq, choice in zip(sequences, choices, strict=True):
+            if seq.done or seq.stream.aborted:
+                continue
+            seq.stream.push(choice)
+            seq.generated += 1
+            seq.last_token = choice.token_id
+            seq.next_position += 1
+            if choice.token_id in seq.params.stop_token_ids:
+                seq.finish("stop")
+            elif seq.generated >= seq.params.max_tokens or seq.next_position >= self._max_context:
+                seq.finish("length")
+
+    def _drop_finished(self) -> None:
+        batch = self._batch
+        for s in batch.sequences:
+            if s.stream.aborted:
+                s.finish("abort")
+        keep = [i for i, s in enumerate(batch.sequences) if not s.done]
+        if len(keep) == len(batch.sequences):
+            return
+        if not keep:
+            self._batch = _Batch()
+            return
+        index = torch.tensor(keep, device=self._device)
+        mask = batch.mask.index_select(0, index)  # (B', T)
+        first_used = int((mask.sum(0) > 0).nonzero()[0])  # drop padding columns no row needs any more
+        batch.sequences = [batch.sequences[i] for i in keep]
+        batch.mask = mask[:, first_used:]
+        batch.keys = [k.index_select(0, index)[:, :, first_used:] for k in batch.keys]
+        batch.values = [v.index_select(0, index)[:, :, first_used:] for v in batch.values]

@@ -1,0 +1,149 @@
+"""Request schema and checks for `POST /v1/chat/completions`.
+
+Everything a client can get wrong is caught here and turned into a `RequestError` (HTTP 4xx with an
+OpenAI-style error body). Parameters the gateway cannot honour are rejected, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+Number = StrictInt | StrictFloat
+
+
+class RequestError(Exception):
+    """A client error: becomes an HTTP response with an OpenAI-style error body."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+    def body(self) -> dict[str, Any]:
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionSpec(_Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class _NamedFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class ChatRequest(BaseModel):
+    """The fields of an OpenAI chat-completions request that the gateway reads."""
+
+    model_config = ConfigDict(extra="allow")  # `user`, `metadata`, `store`… are accepted and not used
+
+    model: StrictStr
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    n: StrictInt = Field(default=1, ge=1)
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    seed: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def parse_request(raw: bytes) -> ChatRequest:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", code="invalid_json")
+    try:
+        request = ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise RequestError(
+            f"invalid value for '{where}': {first['msg']} (got {first.get('input')!r:.80})",
+            param=where,
+            code="invalid_value",
+        ) from None
+    _check_unsupported(request)
+    _check_tools(request)
+    return request
+
+
+def _check_unsupported(r: ChatRequest) -> None:
+    if r.presence_penalty or r.frequency_penalty:
+        raise RequestError("presence_penalty and frequency_penalty are not supported; send 0 or omit them",
+                           param="presence_penalty", code="unsupported_parameter")
+    if r.logit_bias:
+        raise RequestError("logit_bias is not supported; omit it", param="logit_bias", code="unsupported_parameter")
+    if r.response_format and r.response_format.get("type") not in (None, "text"):
+        raise RequestError("only response_format {'type': 'text'} is supported", param="response_format",
+                           code="unsupported_parameter")
+    if r.parallel_tool_calls is False:
+        raise RequestError("parallel_tool_calls=false is not supported (the model may call several tools); "
+                           "omit it", param="parallel_tool_calls", code="unsupported_parameter")
+    if r.top_logprobs and not r.logprobs:
+        raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
+
+
+def _check_tools(r: ChatRequest) -> None:
+    names = [t.function.name for t in r.tools or []]
+    for i, name in enumerate(names):
+        if not _FUNCTION_NAME.match(name):
+            raise RequestError(f"tools[{i}].function.name {name!r} must match {_FUNCTION_NAME.pattern}",
+                               param=f"tools.{i}.function.name", code="invalid_value")
+    if len(set(names)) != len(names):
+        raise RequestError("tool names must be unique", param="tools", code="invalid_value")
+    choice = r.tool_choice
+    if choice in ("required",) or isinstance(choice, NamedToolChoice):
+        if not names:
+            raise RequestError("tool_choice requires a non-empty 'tools' list", param="tool_choice",
+                               code="invalid_value")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise RequestError(f"tool_choice names {choice.function.name!r}, which is not in 'tools'",
+                           param="tool_choice", code="invalid_value")

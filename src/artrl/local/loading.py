@@ -1,0 +1,50 @@
+"""Loading a base model and its tokenizer: a hub id or any local Hugging Face folder, one code path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from artrl.config import EngineConfig
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device != "auto":
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model_and_tokenizer(base_model: str, config: EngineConfig) -> tuple[Any, Any]:
+    """`base_model` is what `from_pretrained` takes: a folder (e.g. from `artrl tiny-model`) or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = pick_device(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base_model)
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=pick_dtype(config, device))
+    except OSError as exc:
+        raise ValueError(
+            f"could not load base_model={base_model!r}: {exc}. Give a Hugging Face model folder "
+            "(build one offline with `artrl tiny-model DIR`) or a hub id this machine can download."
+        ) from exc
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{base_model!r} has no chat template; artrl trains chat models")
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def context_length(model: Any, config: EngineConfig) -> int:
+    model_max = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if config.max_context is not None:
+        return min(config.max_context, model_max) if model_max else config.max_context
+    if not model_max:
+        raise ValueError("the model config has no max_position_embeddings; set EngineConfig(max_context=...)")
+    return model_max

@@ -1,0 +1,45 @@
+"""Running the gateway: uvicorn in its own thread and event loop, on a socket bound before start.
+
+A thread of its own keeps the gateway answering even while the caller's event loop is busy or blocked
+(for example in a synchronous OpenAI client call made from async code).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+class GatewayServer:
+    def __init__(self, app, host: str, port: int) -> None:
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = host, self._socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="artrl-gateway", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout_s: float) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the gateway server stopped during start-up (see the log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway did not start within {timeout_s} s")
+            time.sleep(0.01)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._socket.close()

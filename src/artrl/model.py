@@ -1,0 +1,89 @@
+"""`TrainableModel`: the user's handle on a model that artrl serves (and later trains)."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from artrl.config import ClientConfig
+
+if TYPE_CHECKING:
+    import openai
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class Backend(Protocol):
+    """What a model needs from a backend (the local one today; others later)."""
+
+    async def register(self, model: TrainableModel) -> tuple[str, str]:
+        """Serve the model; return (OpenAI base URL, API key)."""
+        ...
+
+    async def get_step(self, model: TrainableModel) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class TrainableModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    project: str
+    base_model: str = Field(description="Hugging Face hub id or local model folder")
+    client: ClientConfig = Field(default_factory=ClientConfig)
+
+    _backend: Backend | None = PrivateAttr(default=None)
+    _base_url: str | None = PrivateAttr(default=None)
+    _api_key: str = PrivateAttr(default="artrl")
+
+    @field_validator("name", "project")
+    @classmethod
+    def _safe(cls, value: str) -> str:
+        if not _SAFE_NAME.match(value):
+            raise ValueError(f"{value!r} must be 1-128 characters of letters, digits, '.', '_' or '-' "
+                             "(it names a folder and the served model)")
+        return value
+
+    async def register(self, backend: Backend) -> None:
+        """Load the model in `backend` and start serving it."""
+        self._base_url, self._api_key = await backend.register(self)
+        self._backend = backend
+
+    def _require_backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError(f"model {self.name!r} is not registered: `await model.register(backend)` first")
+        return self._backend
+
+    @property
+    def inference_base_url(self) -> str:
+        self._require_backend()
+        assert self._base_url is not None
+        return self._base_url
+
+    @property
+    def inference_api_key(self) -> str:
+        self._require_backend()
+        return self._api_key
+
+    def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        """An `openai.AsyncOpenAI` bound to the served model (keyword arguments override the defaults)."""
+        import openai
+
+        options = {"base_url": self.inference_base_url, "api_key": self.inference_api_key,
+                   "timeout": self.client.timeout_s, "max_retries": self.client.max_retries, **kwargs}
+        return openai.AsyncOpenAI(**options)
+
+    def openai_sync_client(self, **kwargs: Any) -> openai.OpenAI:
+        """The synchronous twin of `openai_client`, for agent code that is not async."""
+        import openai
+
+        options = {"base_url": self.inference_base_url, "api_key": self.inference_api_key,
+                   "timeout": self.client.timeout_s, "max_retries": self.client.max_retries, **kwargs}
+        return openai.OpenAI(**options)
+
+    async def get_step(self) -> int:
+        """The latest training step of this model (0 before any training)."""
+        return await self._require_backend().get_step(self)

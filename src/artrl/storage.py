@@ -1,0 +1,46 @@
+"""Where a model's files live on disk, and atomic writes (temp file + rename) for all of them.
+
+    {root}/{project}/{model}/model.json            config at register
+    {root}/{project}/{model}/checkpoints/{step:04d}/
+    {root}/{project}/{model}/history.jsonl
+    {root}/{project}/{model}/trajectories/{split}/{step:04d}.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def model_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:
+    return Path(root) / project / name
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def latest_step(directory: Path) -> int:
+    """The highest complete checkpoint step under `directory/checkpoints` (0 if none)."""
+    checkpoints = directory / "checkpoints"
+    if not checkpoints.is_dir():
+        return 0
+    steps = [int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max(steps, default=0)
