@@ -22,8 +22,13 @@ class LocalBackend:
     `await backend.close()`.
     """
 
-    def __init__(self, path: str | os.PathLike[str] = ".artrl", *, engine: EngineConfig | None = None,
-                 gateway: GatewayConfig | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = ".artrl",
+        *,
+        engine: EngineConfig | None = None,
+        gateway: GatewayConfig | None = None,
+    ) -> None:
         self.path = os.fspath(path)
         self.engine_config = engine or EngineConfig()
         self.gateway_config = gateway or GatewayConfig()
@@ -48,12 +53,19 @@ class LocalBackend:
         if key in self._services:
             raise ValueError(f"model {model.name!r} of project {model.project!r} is already registered")
         directory = model_dir(self.path, model.project, model.name)
-        atomic_write_json(directory / "model.json", {
-            "name": model.name, "project": model.project, "base_model": model.base_model,
-            "engine": self.engine_config.model_dump(), "gateway": self.gateway_config.model_dump(exclude={"api_key"}),
-        })
+        atomic_write_json(
+            directory / "model.json",
+            {
+                "name": model.name,
+                "project": model.project,
+                "base_model": model.base_model,
+                "engine": self.engine_config.model_dump(),
+                "gateway": self.gateway_config.model_dump(exclude={"api_key"}),
+            },
+        )
         service = await asyncio.to_thread(
-            LocalService.start, model.name, model.base_model, self.engine_config, self.gateway_config)
+            LocalService.start, model.name, model.base_model, self.engine_config, self.gateway_config
+        )
         self._services[key] = service
         return service.base_url, self.gateway_config.api_key or "artrl"
 

@@ -68,7 +68,9 @@ class GatewayConfig(_Frozen):
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 = a free port chosen at start")
-    api_key: str | None = Field(default=None, description="if set, requests need `Authorization: Bearer <key>`")
+    api_key: str | None = Field(
+        default=None, description="if set, requests need `Authorization: Bearer <key>`"
+    )
     completion_store_size: int = Field(
         default=50_000, ge=0, description="completions remembered for token-exact continuation (LRU)"
     )

@@ -43,8 +43,10 @@ class TrainableModel(BaseModel):
     @classmethod
     def _safe(cls, value: str) -> str:
         if not _SAFE_NAME.match(value):
-            raise ValueError(f"{value!r} must be 1-128 characters of letters, digits, '.', '_' or '-' "
-                             "(it names a folder and the served model)")
+            raise ValueError(
+                f"{value!r} must be 1-128 characters of letters, digits, '.', '_' or '-' "
+                "(it names a folder and the served model)"
+            )
         return value
 
     async def register(self, backend: Backend) -> None:
@@ -54,7 +56,9 @@ class TrainableModel(BaseModel):
 
     def _require_backend(self) -> Backend:
         if self._backend is None:
-            raise RuntimeError(f"model {self.name!r} is not registered: `await model.register(backend)` first")
+            raise RuntimeError(
+                f"model {self.name!r} is not registered: `await model.register(backend)` first"
+            )
         return self._backend
 
     @property
@@ -72,16 +76,26 @@ class TrainableModel(BaseModel):
         """An `openai.AsyncOpenAI` bound to the served model (keyword arguments override the defaults)."""
         import openai
 
-        options = {"base_url": self.inference_base_url, "api_key": self.inference_api_key,
-                   "timeout": self.client.timeout_s, "max_retries": self.client.max_retries, **kwargs}
+        options = {
+            "base_url": self.inference_base_url,
+            "api_key": self.inference_api_key,
+            "timeout": self.client.timeout_s,
+            "max_retries": self.client.max_retries,
+            **kwargs,
+        }
         return openai.AsyncOpenAI(**options)
 
     def openai_sync_client(self, **kwargs: Any) -> openai.OpenAI:
         """The synchronous twin of `openai_client`, for agent code that is not async."""
         import openai
 
-        options = {"base_url": self.inference_base_url, "api_key": self.inference_api_key,
-                   "timeout": self.client.timeout_s, "max_retries": self.client.max_retries, **kwargs}
+        options = {
+            "base_url": self.inference_base_url,
+            "api_key": self.inference_api_key,
+            "timeout": self.client.timeout_s,
+            "max_retries": self.client.max_retries,
+            **kwargs,
+        }
         return openai.OpenAI(**options)
 
     async def get_step(self) -> int:

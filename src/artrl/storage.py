@@ -1,9 +1,9 @@
 """Where a model's files live on disk, and atomic writes (temp file + rename) for all of them.
 
-    {root}/{project}/{model}/model.json            config at register
-    {root}/{project}/{model}/checkpoints/{step:04d}/
-    {root}/{project}/{model}/history.jsonl
-    {root}/{project}/{model}/trajectories/{split}/{step:04d}.jsonl
+{root}/{project}/{model}/model.json            config at register
+{root}/{project}/{model}/checkpoints/{step:04d}/
+{root}/{project}/{model}/history.jsonl
+{root}/{project}/{model}/trajectories/{split}/{step:04d}.jsonl
 """
 
 from __future__ import annotations

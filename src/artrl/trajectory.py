@@ -21,7 +21,11 @@ def choice_to_message(choice: Choice) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": choice.message.content}
     if choice.message.tool_calls:
         message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
             for c in choice.message.tool_calls
         ]
     return message

@@ -12,7 +12,7 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\nCall a tool as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>\\n<tools>' }}"
+    '{{- \'# Tools\\nCall a tool as <tool_call>\\n{"name": <name>, "arguments": <object>}\\n</tool_call>\\n<tools>\' }}'
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools><|im_end|>\\n' }}"
     "{%- elif messages and messages[0].role == 'system' %}"
@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{%- for tool_call in message.tool_calls %}"
     "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
     "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
     "{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"

@@ -81,7 +81,9 @@ class HFEngine:
         self._device = next(model.parameters()).device
         # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps forward
-        self._cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        )
         self._thread = threading.Thread(target=self._run, name="artrl-engine", daemon=True)
         self._thread.start()
 
@@ -206,10 +208,12 @@ class HFEngine:
             return
         length = max(batch.mask.shape[1], mask.shape[1])
         batch.keys = [
-            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in zip(batch.keys, keys)
+            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)])
+            for a, b in zip(batch.keys, keys, strict=True)
         ]
         batch.values = [
-            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in zip(batch.values, values)
+            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)])
+            for a, b in zip(batch.values, values, strict=True)
         ]
         batch.mask = torch.cat([_left_pad(batch.mask, length, 1), _left_pad(mask, length, 1)])
         batch.sequences.extend(sequences)

@@ -21,8 +21,9 @@ class GatewayServer:
         self.host, self.port = host, self._socket.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="artrl-gateway", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="artrl-gateway", daemon=True
+        )
 
     @property
     def base_url(self) -> str:

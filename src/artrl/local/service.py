@@ -26,17 +26,23 @@ class LocalService:
         return self.server.base_url
 
     @classmethod
-    def start(cls, served_name: str, base_model: str, engine_config: EngineConfig,
-              gateway_config: GatewayConfig) -> LocalService:
+    def start(
+        cls, served_name: str, base_model: str, engine_config: EngineConfig, gateway_config: GatewayConfig
+    ) -> LocalService:
         """Blocking: load the model and start serving it. Run it in a worker thread from async code."""
         model, tokenizer = load_model_and_tokenizer(base_model, engine_config)
-        engine = HFEngine(model, max_context=context_length(model, engine_config),
-                          max_batch_size=engine_config.max_batch_size)
+        engine = HFEngine(
+            model,
+            max_context=context_length(model, engine_config),
+            max_batch_size=engine_config.max_batch_size,
+        )
         builder = PromptBuilder(tokenizer, CompletionStore(gateway_config.completion_store_size))
-        serving = ChatServing(engine, tokenizer, builder, [served_name], engine_config.default_max_tokens,
-                              engine_config.max_n)
-        app = create_app(serving, api_key=gateway_config.api_key,
-                         max_request_bytes=gateway_config.max_request_bytes)
+        serving = ChatServing(
+            engine, tokenizer, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n
+        )
+        app = create_app(
+            serving, api_key=gateway_config.api_key, max_request_bytes=gateway_config.max_request_bytes
+        )
         server = GatewayServer(app, gateway_config.host, gateway_config.port)
         server.start(gateway_config.startup_timeout_s)
         return cls(model, tokenizer, engine, server)

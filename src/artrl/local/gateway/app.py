@@ -6,6 +6,7 @@ the server keeps answering either way.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -27,14 +28,19 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse(RequestError(message, code=code, status=status).body(), status_code=status)
 
 
-def create_app(serving: ChatServing, *, api_key: str | None = None, max_request_bytes: int = 8 << 20) -> FastAPI:
+def create_app(
+    serving: ChatServing, *, api_key: str | None = None, max_request_bytes: int = 8 << 20
+) -> FastAPI:
     app = FastAPI(title="artrl gateway", docs_url=None, redoc_url=None)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key")
+        guarded = api_key is not None and request.url.path.startswith("/v1/")
+        given = request.headers.get("authorization", "")
+        if guarded and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return _error(
+                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+            )
         return await call_next(request)
 
     @app.exception_handler(RequestError)
@@ -60,15 +66,23 @@ def create_app(serving: ChatServing, *, api_key: str | None = None, max_request_
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "artrl"} for name in serving.model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "artrl"}
+                for name in serving.model_names
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         raw = await request.body()
         if len(raw) > max_request_bytes:
-            raise RequestError(f"request body of {len(raw)} bytes exceeds {max_request_bytes}", status=413,
-                               code="request_too_large")
+            raise RequestError(
+                f"request body of {len(raw)} bytes exceeds {max_request_bytes}",
+                status=413,
+                code="request_too_large",
+            )
         prepared = serving.prepare(parse_request(raw))
         if prepared.request.stream:
             return StreamingResponse(_sse(serving, prepared), media_type="text/event-stream")
@@ -87,15 +101,24 @@ async def _complete(serving: ChatServing, prepared: PreparedRequest) -> dict[str
         if isinstance(event, ChoiceResult):
             results.append(event)
     results.sort(key=lambda r: r.index)
-    choices = [{
-        "index": r.index,
-        "message": r.message,
-        "finish_reason": r.finish_reason,
-        "logprobs": {"content": serving.logprob_entries(r.tokens)} if prepared.request.logprobs else None,
-        **serving.token_fields(r),
-    } for r in results]
-    return {"id": prepared.id, "object": "chat.completion", "created": prepared.created,
-            "model": prepared.request.model, "choices": choices, "usage": _usage(prepared, results)}
+    choices = [
+        {
+            "index": r.index,
+            "message": r.message,
+            "finish_reason": r.finish_reason,
+            "logprobs": {"content": serving.logprob_entries(r.tokens)} if prepared.request.logprobs else None,
+            **serving.token_fields(r),
+        }
+        for r in results
+    ]
+    return {
+        "id": prepared.id,
+        "object": "chat.completion",
+        "created": prepared.created,
+        "model": prepared.request.model,
+        "choices": choices,
+        "usage": _usage(prepared, results),
+    }
 
 
 def _usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, int]:
@@ -106,8 +129,14 @@ def _usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, 
 
 async def _sse(serving: ChatServing, prepared: PreparedRequest) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        body = {"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created,
-                "model": prepared.request.model, "choices": choices, **extra}
+        body = {
+            "id": prepared.id,
+            "object": "chat.completion.chunk",
+            "created": prepared.created,
+            "model": prepared.request.model,
+            "choices": choices,
+            **extra,
+        }
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
     want_logprobs = bool(prepared.request.logprobs)
@@ -122,16 +151,29 @@ async def _sse(serving: ChatServing, prepared: PreparedRequest) -> AsyncIterator
             if isinstance(event, Delta):
                 delta["content"] = event.text
                 logprobs = {"content": serving.logprob_entries(event.tokens)} if want_logprobs else None
-                yield chunk([{"index": event.index, "delta": delta, "finish_reason": None, "logprobs": logprobs}])
+                yield chunk(
+                    [{"index": event.index, "delta": delta, "finish_reason": None, "logprobs": logprobs}]
+                )
                 continue
             results.append(event)
             content = event.message["content"] or ""
             if content.startswith(event.streamed_text) and len(content) > len(event.streamed_text):
-                delta["content"] = content[len(event.streamed_text):]
+                delta["content"] = content[len(event.streamed_text) :]
             if event.message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(event.message["tool_calls"])]
-            yield chunk([{"index": event.index, "delta": delta, "finish_reason": event.finish_reason,
-                          "logprobs": None, **serving.token_fields(event)}])
+                delta["tool_calls"] = [
+                    {"index": j, **call} for j, call in enumerate(event.message["tool_calls"])
+                ]
+            yield chunk(
+                [
+                    {
+                        "index": event.index,
+                        "delta": delta,
+                        "finish_reason": event.finish_reason,
+                        "logprobs": None,
+                        **serving.token_fields(event),
+                    }
+                ]
+            )
         options = prepared.request.stream_options
         if options is not None and options.include_usage:
             yield chunk([], usage=_usage(prepared, results))

@@ -73,8 +73,9 @@ class PromptBuilder:
                 messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
             )
         except TemplateError as exc:
-            raise RequestError(f"the chat template rejected these messages: {exc}", param="messages",
-                               code="invalid_messages") from None
+            raise RequestError(
+                f"the chat template rejected these messages: {exc}", param="messages", code="invalid_messages"
+            ) from None
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -99,7 +100,13 @@ class PromptBuilder:
         closing = tail if ended else self._turn_end + tail
         return [*stored.prompt_ids, *stored.token_ids, *self.encode(closing + full[len(prefix) :])]
 
-    def remember(self, messages: list[dict], tools: list[dict] | None, assistant: dict, prompt_ids: list[int],
-                 token_ids: list[int]) -> None:
+    def remember(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        assistant: dict,
+        prompt_ids: list[int],
+        token_ids: list[int],
+    ) -> None:
         key = conversation_key([*messages, assistant], tools)
         self._store.put(key, StoredCompletion(tuple(prompt_ids), tuple(token_ids)))

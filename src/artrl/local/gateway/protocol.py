@@ -117,16 +117,27 @@ def parse_request(raw: bytes) -> ChatRequest:
 
 def _check_unsupported(r: ChatRequest) -> None:
     if r.presence_penalty or r.frequency_penalty:
-        raise RequestError("presence_penalty and frequency_penalty are not supported; send 0 or omit them",
-                           param="presence_penalty", code="unsupported_parameter")
+        raise RequestError(
+            "presence_penalty and frequency_penalty are not supported; send 0 or omit them",
+            param="presence_penalty",
+            code="unsupported_parameter",
+        )
     if r.logit_bias:
-        raise RequestError("logit_bias is not supported; omit it", param="logit_bias", code="unsupported_parameter")
+        raise RequestError(
+            "logit_bias is not supported; omit it", param="logit_bias", code="unsupported_parameter"
+        )
     if r.response_format and r.response_format.get("type") not in (None, "text"):
-        raise RequestError("only response_format {'type': 'text'} is supported", param="response_format",
-                           code="unsupported_parameter")
+        raise RequestError(
+            "only response_format {'type': 'text'} is supported",
+            param="response_format",
+            code="unsupported_parameter",
+        )
     if r.parallel_tool_calls is False:
-        raise RequestError("parallel_tool_calls=false is not supported (the model may call several tools); "
-                           "omit it", param="parallel_tool_calls", code="unsupported_parameter")
+        raise RequestError(
+            "parallel_tool_calls=false is not supported (the model may call several tools); omit it",
+            param="parallel_tool_calls",
+            code="unsupported_parameter",
+        )
     if r.top_logprobs and not r.logprobs:
         raise RequestError("top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
 
@@ -135,15 +146,21 @@ def _check_tools(r: ChatRequest) -> None:
     names = [t.function.name for t in r.tools or []]
     for i, name in enumerate(names):
         if not _FUNCTION_NAME.match(name):
-            raise RequestError(f"tools[{i}].function.name {name!r} must match {_FUNCTION_NAME.pattern}",
-                               param=f"tools.{i}.function.name", code="invalid_value")
+            raise RequestError(
+                f"tools[{i}].function.name {name!r} must match {_FUNCTION_NAME.pattern}",
+                param=f"tools.{i}.function.name",
+                code="invalid_value",
+            )
     if len(set(names)) != len(names):
         raise RequestError("tool names must be unique", param="tools", code="invalid_value")
     choice = r.tool_choice
-    if choice in ("required",) or isinstance(choice, NamedToolChoice):
-        if not names:
-            raise RequestError("tool_choice requires a non-empty 'tools' list", param="tool_choice",
-                               code="invalid_value")
+    if (choice in ("required",) or isinstance(choice, NamedToolChoice)) and not names:
+        raise RequestError(
+            "tool_choice requires a non-empty 'tools' list", param="tool_choice", code="invalid_value"
+        )
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise RequestError(f"tool_choice names {choice.function.name!r}, which is not in 'tools'",
-                           param="tool_choice", code="invalid_value")
+        raise RequestError(
+            f"tool_choice names {choice.function.name!r}, which is not in 'tools'",
+            param="tool_choice",
+            code="invalid_value",
+        )

@@ -66,8 +66,15 @@ def _held_back(text: str, markers: list[str]) -> int:
 
 
 class ChatServing:
-    def __init__(self, engine: Engine, tokenizer: Any, builder: PromptBuilder, model_names: list[str],
-                 default_max_tokens: int, max_n: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        builder: PromptBuilder,
+        model_names: list[str],
+        default_max_tokens: int,
+        max_n: int,
+    ) -> None:
         self.engine, self.tokenizer, self.builder = engine, tokenizer, builder
         self.model_names = model_names
         self.default_max_tokens, self.max_n = default_max_tokens, max_n
@@ -80,10 +87,16 @@ class ChatServing:
     # ------------------------------------------------------------------ request → prepared
     def prepare(self, request: ChatRequest) -> PreparedRequest:
         if request.model not in self.model_names:
-            raise RequestError(f"model {request.model!r} is not served here; available: {self.model_names}",
-                               param="model", code="model_not_found", status=404)
+            raise RequestError(
+                f"model {request.model!r} is not served here; available: {self.model_names}",
+                param="model",
+                code="model_not_found",
+                status=404,
+            )
         if request.n > self.max_n:
-            raise RequestError(f"n={request.n} exceeds the limit of {self.max_n}", param="n", code="invalid_value")
+            raise RequestError(
+                f"n={request.n} exceeds the limit of {self.max_n}", param="n", code="invalid_value"
+            )
         messages = normalize_messages(request.messages)
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         tool_names = {t["function"]["name"] for t in tools or []}
@@ -92,14 +105,20 @@ class ChatServing:
         prompt = self.builder.build(messages, tools, forced)
         room = self.engine.max_context - len(prompt.ids)
         if room <= 0:
-            raise RequestError(f"the prompt is {len(prompt.ids)} tokens; this model's context is "
-                               f"{self.engine.max_context}. Shorten the messages.", param="messages",
-                               code="context_length_exceeded")
+            raise RequestError(
+                f"the prompt is {len(prompt.ids)} tokens; this model's context is "
+                f"{self.engine.max_context}. Shorten the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         asked = request.max_completion_tokens or request.max_tokens
         if asked is not None and asked > room:
-            raise RequestError(f"max_tokens={asked} + the prompt's {len(prompt.ids)} tokens exceed the context of "
-                               f"{self.engine.max_context}; ask for at most {room}", param="max_tokens",
-                               code="context_length_exceeded")
+            raise RequestError(
+                f"max_tokens={asked} + the prompt's {len(prompt.ids)} tokens exceed the context of "
+                f"{self.engine.max_context}; ask for at most {room}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         params = SamplingParams(
             max_tokens=asked or min(self.default_max_tokens, room),
             temperature=1.0 if request.temperature is None else float(request.temperature),
@@ -111,8 +130,9 @@ class ChatServing:
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if any(not s for s in stops):
             raise RequestError("stop strings must be non-empty", param="stop", code="invalid_value")
-        return PreparedRequest(request, messages, tools, prompt, params, forced, stops,
-                               tool_names if use_tools else set())
+        return PreparedRequest(
+            request, messages, tools, prompt, params, forced, stops, tool_names if use_tools else set()
+        )
 
     # ------------------------------------------------------------------ events
     async def events(self, prepared: PreparedRequest, streaming: bool) -> AsyncIterator[Delta | ChoiceResult]:
@@ -146,8 +166,9 @@ class ChatServing:
             for task in tasks:
                 task.cancel()
 
-    async def _choice_events(self, index: int, stream: SequenceStream, prepared: PreparedRequest,
-                             streaming: bool) -> AsyncIterator[Delta | ChoiceResult]:
+    async def _choice_events(
+        self, index: int, stream: SequenceStream, prepared: PreparedRequest, streaming: bool
+    ) -> AsyncIterator[Delta | ChoiceResult]:
         tokens: list[TokenChoice] = []
         unsent: list[TokenChoice] = []
         emitted = 0
@@ -172,7 +193,7 @@ class ChatServing:
                 while safe > emitted and text[safe - 1] == "\ufffd":
                     safe -= 1  # an incomplete UTF-8 sequence: wait for its next byte
                 if safe > emitted or (unsent and prepared.request.logprobs):
-                    yield Delta(index, text[emitted:max(safe, emitted)], unsent)
+                    yield Delta(index, text[emitted : max(safe, emitted)], unsent)
                     emitted, unsent = max(safe, emitted), []
             if stop_hit:
                 stream.abort()
@@ -191,8 +212,9 @@ class ChatServing:
         yield ChoiceResult(index, message, finish, prepared.prompt, tokens, text[:emitted])
 
     def _decode(self, tokens: list[TokenChoice]) -> str:
-        return self.tokenizer.decode([t.token_id for t in tokens], skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            [t.token_id for t in tokens], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
 
     # ------------------------------------------------------------------ OpenAI shapes
     def logprob_entries(self, tokens: list[TokenChoice]) -> list[dict[str, Any]]:
@@ -200,8 +222,10 @@ class ChatServing:
             text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]}
-                for t in tokens]
+        return [
+            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]}
+            for t in tokens
+        ]
 
     def token_fields(self, result: ChoiceResult) -> dict[str, Any]:
         return {

@@ -23,7 +23,11 @@ class ParsedToolCall:
     arguments: str  # JSON text, as in the OpenAI API
 
     def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def _parse_block(body: str, allowed: set[str]) -> ParsedToolCall | None:
@@ -41,7 +45,9 @@ def _parse_block(body: str, allowed: set[str]) -> ParsedToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return ParsedToolCall(
+        f"call_{uuid.uuid4().hex[:24]}", obj["name"], json.dumps(arguments, ensure_ascii=False)
+    )
 
 
 def parse_tool_calls(text: str, allowed_names: set[str]) -> tuple[str | None, list[ParsedToolCall]]:
