@@ -32,7 +32,7 @@ class _Sequence:
     generator: torch.Generator | None
     generated: int = 0
     last_token: int = 0
-    next_position: int = 0
+    position: int = 0  # position id of last_token
     done: bool = False  # engine side: ended (stop, length or abort) and to be dropped from the batch
 
     def finish(self, reason) -> None:
@@ -197,7 +197,7 @@ class HFEngine:
         sequences = [s for r in requests for s in r.sequences]
         for r in requests:
             for s in r.sequences:
-                s.next_position = len(r.prompt_ids)
+                s.position = len(r.prompt_ids) - 1  # the first sampled token lands at len(prompt)
         self._merge(sequences, keys, values, mask)
         self._emit(sequences, logits)
 
@@ -221,7 +221,7 @@ class HFEngine:
     def _decode_step(self) -> None:
         batch = self._batch
         ids = torch.tensor([[s.last_token] for s in batch.sequences], device=self._device)  # (B, 1)
-        positions = torch.tensor([[s.next_position] for s in batch.sequences], device=self._device)  # (B, 1)
+        positions = torch.tensor([[s.position] for s in batch.sequences], device=self._device)  # (B, 1)
         mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.sequences), 1))], dim=1)  # (B, T+1)
         logits, batch.keys, batch.values = self._forward(ids, mask, positions, batch.keys, batch.values)
         batch.mask = mask
@@ -236,10 +236,10 @@ class HFEngine:
             seq.stream.push(choice)
             seq.generated += 1
             seq.last_token = choice.token_id
-            seq.next_position += 1
+            seq.position += 1
             if choice.token_id in seq.params.stop_token_ids:
                 seq.finish("stop")
-            elif seq.generated >= seq.params.max_tokens or seq.next_position >= self._max_context:
+            elif seq.generated >= seq.params.max_tokens or seq.position + 1 >= self._max_context:
                 seq.finish("length")
 
     def _drop_finished(self) -> None:

@@ -1,4 +1,4 @@
-"""One served model: loaded weights, the embedded engine and the gateway, wired together (layer 4)."""
+"""One served model: loaded weights, an engine and the gateway, wired together (layer 4)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from artrl.config import EngineConfig, GatewayConfig
+from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
 from artrl.local.gateway.app import create_app
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
@@ -18,7 +19,7 @@ from artrl.local.server import GatewayServer
 class LocalService:
     model: Any
     tokenizer: Any
-    engine: HFEngine
+    engine: Engine
     server: GatewayServer
 
     @property
@@ -36,6 +37,19 @@ class LocalService:
             max_context=context_length(model, engine_config),
             max_batch_size=engine_config.max_batch_size,
         )
+        return cls.serve(served_name, model, tokenizer, engine, engine_config, gateway_config)
+
+    @classmethod
+    def serve(
+        cls,
+        served_name: str,
+        model: Any,
+        tokenizer: Any,
+        engine: Engine,
+        engine_config: EngineConfig,
+        gateway_config: GatewayConfig,
+    ) -> LocalService:
+        """Put a gateway in front of an engine that is already running."""
         builder = PromptBuilder(tokenizer, CompletionStore(gateway_config.completion_store_size))
         serving = ChatServing(
             engine, tokenizer, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n

@@ -188,8 +188,9 @@ class ChatServing:
                     text, stop_hit = text[:at], True
             if streaming:
                 safe = len(text) - _held_back(text, markers) if not stop_hit else len(text)
-                if prepared.tool_names and TOOL_CALL_START in text:
-                    safe = min(safe, text.index(TOOL_CALL_START))
+                if prepared.tool_names:  # a tool call may follow: hold back it and the whitespace before it
+                    visible = text[: text.index(TOOL_CALL_START)] if TOOL_CALL_START in text else text[:safe]
+                    safe = min(safe, len(visible.rstrip()))
                 while safe > emitted and text[safe - 1] == "\ufffd":
                     safe -= 1  # an incomplete UTF-8 sequence: wait for its next byte
                 if safe > emitted or (unsent and prepared.request.logprobs):

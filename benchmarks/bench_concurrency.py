@@ -1,0 +1,445 @@
+"""Gateway concurrency benchmark: N concurrent multi-turn agents vs. the same calls served one at a time.
+
+For each model preset and each N in --agents, in one process:
+
+  (a) concurrent: N agents run at once, each making --turns chat-completion calls through
+      `model.openai_client()` (the real `openai.AsyncOpenAI`), appending the assistant reply and a new
+      user message every turn;
+  (b) one at a time: exactly the same calls (same messages, same seeds), agent after agent.
+
+Generated tokens are counted as `len(choice.token_ids)`; the reported figure is generated tokens per second
+of wall time, the median of --repeats runs (the order of (a) and (b) alternates between runs).
+
+The models are random-weight, so a call can sample the end-of-sequence token before max_tokens. A
+calibration pass (which also warms up the batch shapes) picks, per agent and turn, a seed whose call
+generates the full max_tokens (`finish_reason == "length"`); the measured runs then reuse those seeds,
+so both modes generate the same number of tokens. Any call that still ends otherwise is reported.
+
+    .venv/bin/python benchmarks/bench_concurrency.py [--presets tiny,small] [--agents 1,8,32]
+        [--turns 3] [--max-tokens 32] [--out benchmarks/RESULTS.md]
+
+The section `## Gateway concurrency (bench_concurrency.py)` of the results file is replaced (or added);
+other sections are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SECTION_HEADING = "## Gateway concurrency (bench_concurrency.py)"
+TARGET_RATIO = 4.0
+TARGET_AGENTS = 32
+
+# Repetitions per preset when --repeats is not given (the `small` model is ~100x the per-token cost
+# of `tiny` on CPU, so it runs fewer repetitions to keep the default run within a few minutes).
+DEFAULT_REPEATS = {"tiny": 3, "small": 3}
+SEED_STRIDE = 7919  # added to a seed when a calibration call ended before max_tokens
+MAX_SEED_TRIES = 50
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        nproc = len(os.sched_getaffinity(0))
+    except AttributeError:
+        nproc = os.cpu_count() or 0
+    return {
+        "nproc": nproc,
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def command_line() -> str:
+    exe = Path(sys.executable)
+    try:
+        exe_text = os.path.relpath(exe, Path.cwd()) if exe.is_relative_to(Path.cwd()) else str(exe)
+    except ValueError:
+        exe_text = str(exe)
+    return shlex.join([exe_text, *sys.argv])
+
+
+def ensure_model(preset: str, cache: Path) -> Path:
+    """Build the preset model folder once; reuse it when it was built from the same config."""
+    from artrl.config import TINY_MODEL_PRESETS
+    from artrl.local.tiny_model import build_tiny_model
+
+    folder = cache / preset
+    marker = folder / "artrl_tiny_model.json"
+    wanted = TINY_MODEL_PRESETS[preset].model_dump()
+    if marker.exists() and (folder / "config.json").exists():
+        try:
+            if json.loads(marker.read_text()) == wanted:
+                return folder
+        except json.JSONDecodeError:
+            pass
+    print(f"[{preset}] building model into {folder} ...", flush=True)
+    started = time.perf_counter()
+    build_tiny_model(folder, preset)
+    print(f"[{preset}] built in {time.perf_counter() - started:.1f} s", flush=True)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------- the agents
+@dataclass
+class RunStats:
+    calls: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    reseeded: int = 0  # calibration only: calls repeated with another seed
+    finish: Counter = field(default_factory=Counter)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Workload:
+    client: Any  # openai.AsyncOpenAI
+    model_name: str
+    turns: int
+    max_tokens: int
+    seeds: dict[tuple[int, int], int]  # (agent, turn) -> seed
+
+    def seed(self, agent: int, turn: int) -> int:
+        return self.seeds.setdefault((agent, turn), 100_003 * agent + 101 * turn + 1)
+
+
+def token_ids_of(choice: Any) -> list[int]:
+    ids = getattr(choice, "token_ids", None)
+    if ids is None and getattr(choice, "model_extra", None):
+        ids = choice.model_extra.get("token_ids")
+    if ids is None:
+        raise RuntimeError("the gateway's choice carries no `token_ids`")
+    return list(ids)
+
+
+async def run_agent(work: Workload, agent: int, stats: RunStats, calibrate: bool = False) -> None:
+    messages: list[dict[str, str]] = [
+        {"role": "user", "content": f"Agent {agent}: let us play a guessing game. What is your first guess?"}
+    ]
+    for turn in range(work.turns):
+        tries = 0
+        while True:
+            response = await work.client.chat.completions.create(
+                model=work.model_name,
+                messages=messages,
+                temperature=1.0,
+                max_tokens=work.max_tokens,
+                seed=work.seed(agent, turn),
+            )
+            choice = response.choices[0]
+            if not calibrate or choice.finish_reason == "length" or tries >= MAX_SEED_TRIES:
+                break
+            tries += 1
+            stats.reseeded += 1
+            work.seeds[(agent, turn)] += SEED_STRIDE
+        stats.calls += 1
+        stats.tokens += len(token_ids_of(choice))
+        stats.finish[choice.finish_reason] += 1
+        messages.append({"role": "assistant", "content": choice.message.content or ""})
+        messages.append({"role": "user", "content": "continue"})
+
+
+async def run_concurrent(work: Workload, agents: int, calibrate: bool = False) -> RunStats:
+    stats = RunStats()
+    started = time.perf_counter()
+    await asyncio.gather(*(run_agent(work, a, stats, calibrate) for a in range(agents)))
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+async def run_sequential(work: Workload, agents: int) -> RunStats:
+    stats = RunStats()
+    started = time.perf_counter()
+    for a in range(agents):
+        await run_agent(work, a, stats)
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+# ------------------------------------------------------------------------------------------ per preset
+@dataclass
+class Row:
+    agents: int
+    concurrent: list[RunStats]
+    sequential: list[RunStats]
+
+    @property
+    def conc_tok_s(self) -> float:
+        return statistics.median(s.tok_s for s in self.concurrent)
+
+    @property
+    def seq_tok_s(self) -> float:
+        return statistics.median(s.tok_s for s in self.sequential)
+
+    @property
+    def ratio(self) -> float:
+        return self.conc_tok_s / self.seq_tok_s if self.seq_tok_s > 0 else float("nan")
+
+    @property
+    def ratios(self) -> list[float]:
+        return [c.tok_s / s.tok_s for c, s in zip(self.concurrent, self.sequential, strict=True)]
+
+
+@dataclass
+class PresetResult:
+    preset: str
+    params: int
+    repeats: int
+    rows: list[Row]
+    calibration_retries: int
+    odd_finishes: Counter
+    token_mismatches: list[str]
+    seconds: float
+
+
+async def bench_preset(backend: Any, preset: str, folder: Path, args: argparse.Namespace) -> PresetResult:
+    import artrl
+
+    started = time.perf_counter()
+    repeats = args.repeats or DEFAULT_REPEATS.get(preset, 3)
+    model = artrl.TrainableModel(name=f"bench-{preset}", project="bench", base_model=str(folder))
+    await model.register(backend)
+    params = sum(p.numel() for p in backend.service(model).model.parameters())
+    client = model.openai_client()
+    try:
+        work = Workload(client, model.name, args.turns, args.max_tokens, {})
+        # warm-up: one small call, then a calibration pass that fixes the seeds (and warms the batch shapes)
+        await client.chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": "hello"}], max_tokens=4, seed=0
+        )
+        n_max = max(args.agents)
+        calib = await run_concurrent(work, n_max, calibrate=True)
+        retries = calib.reseeded
+        print(
+            f"[{preset}] {params:,} params; calibration: {calib.calls} calls, {retries} reseeded call(s), "
+            f"finish {dict(calib.finish)}, {calib.seconds:.1f} s; repeats={repeats}",
+            flush=True,
+        )
+        rows: list[Row] = []
+        odd: Counter = Counter()
+        mismatches: list[str] = []
+        for n in args.agents:
+            expected = n * args.turns * args.max_tokens
+            concurrent: list[RunStats] = []
+            sequential: list[RunStats] = []
+            for rep in range(repeats):
+                order = ("concurrent", "sequential") if rep % 2 == 0 else ("sequential", "concurrent")
+                for mode in order:
+                    if mode == "concurrent":
+                        stats = await run_concurrent(work, n)
+                        concurrent.append(stats)
+                    else:
+                        stats = await run_sequential(work, n)
+                        sequential.append(stats)
+                    for reason, count in stats.finish.items():
+                        if reason != "length":
+                            odd[f"N={n} {mode} {reason}"] += count
+                    if stats.tokens != expected:
+                        mismatches.append(f"N={n} rep {rep + 1} {mode}: {stats.tokens} tokens, expected {expected}")
+                    print(
+                        f"[{preset}] N={n:>3} rep {rep + 1}/{repeats} {mode:<10}: {stats.tokens:>6} tok "
+                        f"in {stats.seconds:6.2f} s = {stats.tok_s:8.1f} tok/s",
+                        flush=True,
+                    )
+            rows.append(Row(n, concurrent, sequential))
+    finally:
+        await client.close()
+    return PresetResult(
+        preset, params, repeats, rows, retries, odd, mismatches, time.perf_counter() - started
+    )
+
+
+# ------------------------------------------------------------------------------------------- reporting
+def table(result: PresetResult) -> list[str]:
+    lines = [
+        "| N agents | concurrent tok/s | one-at-a-time tok/s | ratio | ratio per run |",
+        "|---:|---:|---:|---:|---|",
+    ]
+    for row in result.rows:
+        per_run = ", ".join(f"{r:.2f}" for r in row.ratios)
+        lines.append(
+            f"| {row.agents} | {row.conc_tok_s:.1f} | {row.seq_tok_s:.1f} | {row.ratio:.2f}x | {per_run} |"
+        )
+    return lines
+
+
+def target_line(results: list[PresetResult]) -> str:
+    parts = []
+    for res in results:
+        row = next((r for r in res.rows if r.agents == TARGET_AGENTS), None)
+        if row is None:
+            parts.append(f"`{res.preset}`: not measured (no N={TARGET_AGENTS})")
+        else:
+            verdict = "MET" if row.ratio >= TARGET_RATIO else "NOT met"
+            parts.append(f"`{res.preset}`: {verdict} ({row.ratio:.2f}x)")
+    return f"**Target (ratio >= {TARGET_RATIO:g}x at {TARGET_AGENTS} agents):** " + "; ".join(parts) + "."
+
+
+def section(results: list[PresetResult], args: argparse.Namespace, info: dict[str, Any], wall: float) -> str:
+    lines = [
+        SECTION_HEADING,
+        "",
+        f"- Date: {dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        f"- Machine: nproc={info['nproc']}, CPU: {info['cpu']}, torch {info['torch']}, "
+        f"torch.get_num_threads()={info['torch_threads']}, Python {info['python']}",
+        f"- Workload: each agent makes {args.turns} chat-completion turns (assistant reply + a new user "
+        f"message appended each turn), max_tokens={args.max_tokens}, temperature=1.0, a fixed seed per "
+        "agent/turn, through `model.openai_client()` (openai.AsyncOpenAI) and the embedded engine on CPU",
+        "- Measured: generated tokens (`len(choice.token_ids)`) per second of wall time; *concurrent* = the N "
+        "agents at once, *one-at-a-time* = the same calls sequentially, agent after agent; each figure is "
+        "the median of the repetitions below, the order of the two modes alternating between repetitions",
+        "- Seeds: a calibration pass picks, per agent/turn, a seed whose call generates the full max_tokens "
+        "(random-weight models can sample end-of-sequence early), so both modes generate the same tokens",
+        f"- Command: `{command_line()}`",
+        f"- Wall time of the whole run: {wall:.0f} s",
+        "",
+    ]
+    for res in results:
+        lines.append(
+            f"### Preset `{res.preset}` ({res.params:,} parameters), {args.turns} turns, "
+            f"max_tokens={args.max_tokens}, median of {res.repeats} runs"
+        )
+        lines.append("")
+        lines.extend(table(res))
+        lines.append("")
+        notes = [f"calibration reseeded {res.calibration_retries} call(s)"]
+        if res.odd_finishes:
+            notes.append("finish reasons other than `length`: " + ", ".join(f"{k}: {v}" for k, v in res.odd_finishes.items()))
+        else:
+            notes.append("every measured call finished with `length`")
+        if res.token_mismatches:
+            notes.append("token-count mismatches: " + "; ".join(res.token_mismatches))
+        lines.append("Notes: " + "; ".join(notes) + f"; preset time {res.seconds:.0f} s.")
+        lines.append("")
+    lines.append(target_line(results))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace the section that starts with SECTION_HEADING (up to the next `## ` heading), or append it."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# Benchmarks\n\n" + text)
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION_HEADING), None)
+    if start is None:
+        existing = "".join(lines)
+        if existing and not existing.endswith("\n"):
+            existing += "\n"
+        if existing and not existing.endswith("\n\n"):
+            existing += "\n"
+        path.write_text(existing + text)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    after = "".join(lines[end:])
+    body = text if not after else text.rstrip("\n") + "\n\n"
+    path.write_text("".join(lines[:start]) + body + after)
+
+
+# ------------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    def ints(text: str) -> list[int]:
+        values = [int(v) for v in text.split(",") if v.strip()]
+        if not values or any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError("give positive integers separated by commas")
+        return values
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="tiny,small", help="comma-separated TINY_MODEL_PRESETS names")
+    parser.add_argument("--agents", type=ints, default=[1, 8, 32], help="comma-separated agent counts")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--repeats", type=int, default=None, help=f"runs per measurement (default per preset: {DEFAULT_REPEATS})"
+    )
+    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--model-cache", type=Path, default=HERE / "out" / "models")
+    args = parser.parse_args(argv)
+    args.presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    from artrl.config import TINY_MODEL_PRESETS
+
+    unknown = [p for p in args.presets if p not in TINY_MODEL_PRESETS]
+    if unknown:
+        parser.error(f"unknown preset(s) {unknown}; choose from {sorted(TINY_MODEL_PRESETS)}")
+    if args.turns < 1 or args.max_tokens < 1 or (args.repeats is not None and args.repeats < 1):
+        parser.error("--turns, --max-tokens and --repeats must be >= 1")
+    return args
+
+
+async def main_async(args: argparse.Namespace) -> list[PresetResult]:
+    import artrl
+
+    folders = {p: ensure_model(p, args.model_cache) for p in args.presets}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="artrl-bench-") as tmp:
+        backend = artrl.LocalBackend(path=tmp)
+        try:
+            for preset in args.presets:
+                results.append(await bench_preset(backend, preset, folders[preset], args))
+        finally:
+            await backend.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    info = machine_info()
+    print(
+        f"machine: nproc={info['nproc']}, {info['cpu']}, torch {info['torch']}, "
+        f"threads={info['torch_threads']}",
+        flush=True,
+    )
+    results = asyncio.run(main_async(args))
+    wall = time.perf_counter() - started
+    print()
+    for res in results:
+        print(f"preset {res.preset} ({res.params:,} params), median of {res.repeats} runs:")
+        print("\n".join(table(res)))
+        if res.odd_finishes:
+            print("  finish reasons other than length:", dict(res.odd_finishes))
+        for m in res.token_mismatches:
+            print("  token-count mismatch:", m)
+        print()
+    print(target_line(results).replace("**", ""))
+    print(f"wall time: {wall:.0f} s")
+    write_section(args.out, section(results, args, info, wall))
+    print(f"wrote section {SECTION_HEADING!r} of {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

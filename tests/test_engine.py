@@ -1,0 +1,126 @@
+"""The embedded engine: continuous batching gives the same tokens as serving alone, requests join a
+running batch, aborts free their rows, and n/seed behave."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from artrl.local.engine_hf import HFEngine
+from artrl.local.sampling import SamplingParams, top_p_filter
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture
+async def engine(hf_model):
+    engine = HFEngine(hf_model, max_context=2048, max_batch_size=16)
+    yield engine
+    await engine.close()
+
+
+async def collect(engine, prompt, params, n=1):
+    return [[c.token_id async for c in s] for s in engine.generate(prompt, params, n)]
+
+
+PROMPTS = [[5, 17, 300, 42], [7, 8, 9, 10, 11, 12, 13, 14, 99], [1500], list(range(100, 160))]
+
+
+async def test_batched_equals_alone_and_matches_transformers_generate(engine, hf_model):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = [(await collect(engine, p, greedy))[0] for p in PROMPTS]
+    together = await asyncio.gather(*(collect(engine, p, greedy) for p in PROMPTS))
+    assert [t[0] for t in together] == alone
+    for prompt, ids in zip(PROMPTS, alone, strict=True):
+        reference = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert reference[0, len(prompt) :].tolist() == ids
+
+
+async def test_seeded_sampling_is_the_same_alone_or_batched(engine):
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in range(len(PROMPTS))]
+    alone = [await collect(engine, p, sp, n=2) for p, sp in zip(PROMPTS, params, strict=True)]
+    together = await asyncio.gather(
+        *(collect(engine, p, sp, n=2) for p, sp in zip(PROMPTS, params, strict=True))
+    )
+    assert together == alone
+    assert all(a[0] != a[1] for a in alone)  # the n samples of one request differ
+
+
+async def test_logprobs_equal_a_full_forward_pass(engine, hf_model):
+    prompt = PROMPTS[1]
+    stream = engine.generate(prompt, SamplingParams(max_tokens=10, seed=0), 1)[0]
+    choices = [c async for c in stream]
+    ids = prompt + [c.token_id for c in choices]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0]  # (T, V)
+    logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]  # (n, V)
+    expected = logprobs.gather(1, torch.tensor([c.token_id for c in choices])[:, None])[:, 0]
+    assert torch.allclose(expected, torch.tensor([c.logprob for c in choices]), atol=1e-4)
+
+
+async def test_short_request_does_not_wait_for_a_long_one(engine):
+    long_started = time.perf_counter()
+    long = asyncio.create_task(
+        collect(engine, PROMPTS[0], SamplingParams(max_tokens=400, temperature=1.0, seed=1))
+    )
+    await asyncio.sleep(0.05)
+    started = time.perf_counter()
+    short = await collect(engine, PROMPTS[1], SamplingParams(max_tokens=3, temperature=1.0, seed=2))
+    short_time = time.perf_counter() - started
+    assert not long.done(), "the long request finished first: the test did not exercise joining"
+    assert len(short[0]) == 3
+    long_ids = await long
+    long_time = time.perf_counter() - long_started
+    assert len(long_ids[0]) == 400
+    assert short_time < long_time / 4  # 3 token steps inside a 400-step batch, not after it
+
+
+async def test_abort_frees_the_row_and_others_continue(engine):
+    streams = engine.generate(PROMPTS[0], SamplingParams(max_tokens=500, temperature=1.0, seed=3), 2)
+    first = streams[0]
+    got = 0
+    async for _ in first:
+        got += 1
+        if got == 5:
+            first.abort()
+            break
+    other = [c async for c in streams[1]]
+    assert len(other) == 500
+    assert streams[1].finish_reason == "length"
+
+
+async def test_stop_token_ends_with_stop(engine):
+    probe = (await collect(engine, PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.0)))[0]
+    stop_id = probe[3]
+    stream = engine.generate(
+        PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=frozenset({stop_id})), 1
+    )[0]
+    ids = [c.token_id async for c in stream]
+    assert ids == probe[: probe.index(stop_id) + 1]
+    assert stream.finish_reason == "stop"
+
+
+async def test_context_limit_ends_with_length(hf_model):
+    engine = HFEngine(hf_model, max_context=20)
+    try:
+        stream = engine.generate(list(range(10, 25)), SamplingParams(max_tokens=100, temperature=1.0), 1)[0]
+        ids = [c.token_id async for c in stream]
+        assert len(ids) == 5
+        assert stream.finish_reason == "length"
+    finally:
+        await engine.close()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert torch.allclose(top_p_filter(probs, 0.7), torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert torch.allclose(top_p_filter(probs, 0.5), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert torch.allclose(top_p_filter(probs, 1.0), probs)
