@@ -3,6 +3,7 @@ gateway and the real openai SDK, with the model's choices scripted (fakes.Script
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import openai
@@ -90,7 +91,7 @@ async def test_three_turn_tool_conversation_is_token_exact(scripted, tokenizer):
     # the re-rendered history differs from what the model saw only where tokenization of sampled text differs;
     # each call's prompt begins with the previous call's prompt + sampled ids
     choices = traj.choices()
-    for before, after in zip(choices, choices[1:], strict=False):
+    for before, after in itertools.pairwise(choices):
         assert after.prompt_token_ids[: len(before.prompt_token_ids) + len(before.token_ids)] == (
             before.prompt_token_ids + before.token_ids
         )

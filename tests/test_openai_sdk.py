@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import httpx
 
@@ -146,6 +147,6 @@ async def test_concurrent_multi_turn_agents_record_trajectories(served):
     for traj in trajectories:
         choices = traj.choices()
         assert [c.prompt_source for c in choices] == ["rendered", "continuation", "continuation"]
-        for before, after in zip(choices, choices[1:], strict=False):
+        for before, after in itertools.pairwise(choices):
             prefix = before.prompt_token_ids + before.token_ids
             assert after.prompt_token_ids[: len(prefix)] == prefix
