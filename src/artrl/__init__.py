@@ -7,6 +7,7 @@
 from artrl.backend import LocalBackend
 from artrl.config import ClientConfig, EngineConfig, GatewayConfig, TinyModelConfig
 from artrl.model import TrainableModel
+from artrl.tiny import build_tiny_model, ensure_tiny_model
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = [
@@ -18,5 +19,7 @@ __all__ = [
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
+    "build_tiny_model",
+    "ensure_tiny_model",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv with everything artrl needs (idempotent: re-runs only when pyproject.toml changed).
+# torch is pinned to the CPU build that this kind of machine has on disk; on a GPU machine set
+# ARTRL_TORCH="torch==<version>" (or pre-install torch in .venv) to take a CUDA build instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${ARTRL_TORCH:-torch==2.13.0}
+stamp=.venv/.artrl-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "installing $TORCH_SPEC ..."
+  .venv/bin/python -m pip install -q "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' || true
+fi
+echo "installing artrl and its dependencies ..."
+.venv/bin/python -m pip install -q -e ".[local,dev]" 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -c "import torch, transformers, fastapi, artrl" # fail loudly if anything is missing
+echo "$want" > "$stamp"
