@@ -25,7 +25,11 @@ TOOLS = [
         "function": {
             "name": "lookup",
             "description": "How many of an item are in stock.",
-            "parameters": {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"item": {"type": "string"}},
+                "required": ["item"],
+            },
         },
     }
 ]
@@ -104,8 +108,12 @@ def show(traj: artrl.Trajectory, tokenizer_decode) -> None:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-model", default=None, help="HF folder or hub id (default: build the tiny model)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--base-model", default=None, help="HF folder or hub id (default: build the tiny model)"
+    )
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--path", default=".artrl")

@@ -72,7 +72,7 @@ class GatewayConfig(_Frozen):
         default=None, description="if set, requests need `Authorization: Bearer <key>`"
     )
     completion_store_size: int = Field(
-        default=50_000, ge=0, description="completions remembered for token-exact continuation (LRU)"
+        default=20_000, ge=0, description="completions remembered for token-exact continuation (LRU)"
     )
     startup_timeout_s: float = Field(default=60.0, gt=0)
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)

@@ -22,6 +22,10 @@ def build_tiny_model(directory: str | os.PathLike[str], config: TinyModelConfig 
 def ensure_tiny_model(directory: str | os.PathLike[str], config: TinyModelConfig | str = "tiny") -> Path:
     """Build the model at `directory` unless a complete build is already there."""
     path = Path(directory)
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists() and (path / "model.safetensors").exists():
+    if (
+        (path / "config.json").exists()
+        and (path / "tokenizer.json").exists()
+        and (path / "model.safetensors").exists()
+    ):
         return path
     return build_tiny_model(path, config)

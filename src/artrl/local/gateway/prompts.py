@@ -11,6 +11,7 @@ template. `Prompt.source` says which happened.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,8 +24,8 @@ from artrl.local.gateway.protocol import RequestError
 
 @dataclass(frozen=True)
 class StoredCompletion:
-    prompt_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
+    prompt_ids: array  # 'i' (4 bytes a token: the store holds many long prompts)
+    token_ids: array
 
 
 @dataclass(frozen=True)
@@ -109,4 +110,4 @@ class PromptBuilder:
         token_ids: list[int],
     ) -> None:
         key = conversation_key([*messages, assistant], tools)
-        self._store.put(key, StoredCompletion(tuple(prompt_ids), tuple(token_ids)))
+        self._store.put(key, StoredCompletion(array("i", prompt_ids), array("i", token_ids)))

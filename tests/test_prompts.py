@@ -1,0 +1,52 @@
+"""PromptBuilder and CompletionStore: continuation when the template allows it, a fresh render otherwise."""
+
+from __future__ import annotations
+
+import copy
+
+from artrl.local.gateway.prompts import CompletionStore, PromptBuilder, StoredCompletion
+
+USER = {"role": "user", "content": "hi"}
+
+
+def test_store_forgets_least_recently_used():
+    store = CompletionStore(capacity=2)
+    store.put("a", StoredCompletion([1], [2]))
+    store.put("b", StoredCompletion([3], [4]))
+    assert store.get("a") is not None  # a is now the most recent
+    store.put("c", StoredCompletion([5], [6]))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert len(store) == 2
+
+
+def continued(builder: PromptBuilder, tokenizer):
+    first = builder.build([USER], None)
+    sampled = tokenizer("hello<|im_end|>", add_special_tokens=False)["input_ids"]
+    assistant = {"role": "assistant", "content": "hello"}
+    builder.remember([USER], None, assistant, first.ids, sampled)
+    return first, sampled, builder.build([USER, assistant, {"role": "user", "content": "more"}], None)
+
+
+def test_continuation_with_the_models_template(tokenizer):
+    builder = PromptBuilder(tokenizer, CompletionStore(10))
+    first, sampled, second = continued(builder, tokenizer)
+    assert second.source == "continuation"
+    tail = tokenizer("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert second.ids == first.ids + sampled + tail["input_ids"]
+
+
+def test_template_that_rewrites_history_falls_back_to_rendering(tokenizer):
+    """A template whose header depends on the whole conversation breaks the prefix property: render afresh."""
+    changed = copy.deepcopy(tokenizer)
+    changed.chat_template = "{{- 'turns=' + (messages | length | string) + '\\n' }}" + tokenizer.chat_template
+    builder = PromptBuilder(changed, CompletionStore(10))
+    _, _, second = continued(builder, changed)
+    assert second.source == "rendered"
+    messages = [USER, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    text = changed.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert second.ids == changed(text, add_special_tokens=False)["input_ids"]
+
+
+def test_disabled_store_always_renders(tokenizer):
+    builder = PromptBuilder(tokenizer, CompletionStore(0))
+    assert continued(builder, tokenizer)[2].source == "rendered"
