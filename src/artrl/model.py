@@ -72,31 +72,26 @@ class TrainableModel(BaseModel):
         self._require_backend()
         return self._api_key
 
-    def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
-        """An `openai.AsyncOpenAI` bound to the served model (keyword arguments override the defaults)."""
-        import openai
-
-        options = {
+    def _client_options(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        return {
             "base_url": self.inference_base_url,
             "api_key": self.inference_api_key,
             "timeout": self.client.timeout_s,
             "max_retries": self.client.max_retries,
-            **kwargs,
+            **overrides,
         }
-        return openai.AsyncOpenAI(**options)
+
+    def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        """An `openai.AsyncOpenAI` bound to the served model (keyword arguments override the defaults)."""
+        import openai
+
+        return openai.AsyncOpenAI(**self._client_options(kwargs))
 
     def openai_sync_client(self, **kwargs: Any) -> openai.OpenAI:
         """The synchronous twin of `openai_client`, for agent code that is not async."""
         import openai
 
-        options = {
-            "base_url": self.inference_base_url,
-            "api_key": self.inference_api_key,
-            "timeout": self.client.timeout_s,
-            "max_retries": self.client.max_retries,
-            **kwargs,
-        }
-        return openai.OpenAI(**options)
+        return openai.OpenAI(**self._client_options(kwargs))
 
     async def get_step(self) -> int:
         """The latest training step of this model (0 before any training)."""

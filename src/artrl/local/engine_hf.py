@@ -103,7 +103,7 @@ class HFEngine:
         for i in range(n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self._device).manual_seed(params.seed + i)
+                generator = torch.Generator(device=self._device).manual_seed((params.seed + i) % 2**64)
             sequences.append(_Sequence(SequenceStream(loop), params, generator))
         self._incoming.put(_Request(list(prompt_ids), sequences))
         return [s.stream for s in sequences]

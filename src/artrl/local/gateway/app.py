@@ -177,7 +177,10 @@ async def _sse(serving: ChatServing, prepared: PreparedRequest) -> AsyncIterator
         options = prepared.request.stream_options
         if options is not None and options.include_usage:
             yield chunk([], usage=_usage(prepared, results))
-    except EngineError as exc:
-        body = RequestError(f"the engine failed: {exc}", code="engine_error", status=500).body()
+    except Exception as exc:  # headers are sent: report the failure in the stream itself
+        code = "engine_error" if isinstance(exc, EngineError) else "internal_error"
+        if code == "internal_error":
+            log.exception("stream failed")
+        body = RequestError(f"generation failed: {type(exc).__name__}: {exc}", code=code, status=500).body()
         yield f"data: {json.dumps(body)}\n\n".encode()
     yield b"data: [DONE]\n\n"

@@ -82,7 +82,7 @@ class ChatRequest(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     stream: StrictBool | None = None
@@ -98,8 +98,17 @@ def parse_request(raw: bytes) -> ChatRequest:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", code="invalid_json")
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(
+            "request body has a string that is not valid Unicode (a lone surrogate escape)",
+            code="invalid_json",
+        ) from None
     try:
         request = ChatRequest.model_validate(body)
     except ValidationError as exc:
