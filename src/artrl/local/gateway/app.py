@@ -36,8 +36,10 @@ def create_app(
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         guarded = api_key is not None and request.url.path.startswith("/v1/")
-        given = request.headers.get("authorization", "")
-        if guarded and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if guarded and (
+            scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), api_key.encode())
+        ):
             return _error(
                 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
             )

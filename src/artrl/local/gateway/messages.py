@@ -105,7 +105,7 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
                 "role": "assistant",
                 "content": _text(m.get("content"), where, allow_none=True),
             }
-            if m.get("tool_calls") is not None:
+            if m.get("tool_calls"):  # None and [] both mean "no tool calls"
                 msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
             elif msg["content"] is None:
                 raise RequestError(

@@ -34,6 +34,7 @@ class RequestError(Exception):
 
     def body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        kind = "server_error" if self.status >= 500 else kind
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -93,6 +94,13 @@ class ChatRequest(BaseModel):
     response_format: dict[str, Any] | None = None
 
 
+_FIELD_NAMES = {
+    name
+    for schema in (ChatRequest, ToolSpec, FunctionSpec, NamedToolChoice, StreamOptions)
+    for name in schema.model_fields
+}
+
+
 def parse_request(raw: bytes) -> ChatRequest:
     try:
         body = json.loads(raw)
@@ -113,7 +121,7 @@ def parse_request(raw: bytes) -> ChatRequest:
         request = ChatRequest.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or p in _FIELD_NAMES)
         raise RequestError(
             f"invalid value for '{where}': {first['msg']} (got {first.get('input')!r:.80})",
             param=where,
