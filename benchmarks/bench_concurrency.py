@@ -10,6 +10,10 @@ For each model preset and each N in --agents, in one process:
 Generated tokens are counted as `len(choice.token_ids)`; the reported figure is generated tokens per second
 of wall time, the median of --repeats runs (the order of (a) and (b) alternates between runs).
 
+Where --turns / --max-tokens / --repeats are not given, each preset uses its own defaults
+(PRESET_DEFAULTS: `tiny` 3 turns x 32 tokens, 3 runs; `small` a lighter 2 turns x 16 tokens, 1 run, so
+that the default run stays within ~6 minutes on a 2-core machine); the output states what was used.
+
 The models are random-weight, so a call can sample the end-of-sequence token before max_tokens. A
 calibration pass (which also warms up the batch shapes) picks, per agent and turn, a seed whose call
 generates the full max_tokens (`finish_reason == "length"`); the measured runs then reuse those seeds,
@@ -46,9 +50,14 @@ SECTION_HEADING = "## Gateway concurrency (bench_concurrency.py)"
 TARGET_RATIO = 4.0
 TARGET_AGENTS = 32
 
-# Repetitions per preset when --repeats is not given (the `small` model is ~100x the per-token cost
-# of `tiny` on CPU, so it runs fewer repetitions to keep the default run within a few minutes).
-DEFAULT_REPEATS = {"tiny": 3, "small": 3}
+# Defaults per preset, used where --turns / --max-tokens / --repeats are not given. The `small` model
+# costs far more per token than `tiny` on CPU, and the one-at-a-time runs of 32 agents dominate the run
+# time, so `small` runs a lighter workload, measured once, to keep the default run within ~6 minutes.
+PRESET_DEFAULTS: dict[str, dict[str, int]] = {
+    "tiny": {"turns": 3, "max_tokens": 32, "repeats": 3},
+    "small": {"turns": 2, "max_tokens": 16, "repeats": 1},
+}
+FALLBACK_DEFAULTS = {"turns": 3, "max_tokens": 32, "repeats": 3}
 SEED_STRIDE = 7919  # added to a seed when a calibration call ended before max_tokens
 MAX_SEED_TRIES = 50
 
@@ -215,6 +224,8 @@ class Row:
 class PresetResult:
     preset: str
     params: int
+    turns: int
+    max_tokens: int
     repeats: int
     rows: list[Row]
     calibration_retries: int
@@ -227,13 +238,16 @@ async def bench_preset(backend: Any, preset: str, folder: Path, args: argparse.N
     import artrl
 
     started = time.perf_counter()
-    repeats = args.repeats or DEFAULT_REPEATS.get(preset, 3)
+    defaults = PRESET_DEFAULTS.get(preset, FALLBACK_DEFAULTS)
+    turns = args.turns or defaults["turns"]
+    max_tokens = args.max_tokens or defaults["max_tokens"]
+    repeats = args.repeats or defaults["repeats"]
     model = artrl.TrainableModel(name=f"bench-{preset}", project="bench", base_model=str(folder))
     await model.register(backend)
     params = sum(p.numel() for p in backend.service(model).model.parameters())
     client = model.openai_client()
     try:
-        work = Workload(client, model.name, args.turns, args.max_tokens, {})
+        work = Workload(client, model.name, turns, max_tokens, {})
         # warm-up: one small call, then a calibration pass that fixes the seeds (and warms the batch shapes)
         await client.chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "hello"}], max_tokens=4, seed=0
@@ -241,16 +255,21 @@ async def bench_preset(backend: Any, preset: str, folder: Path, args: argparse.N
         n_max = max(args.agents)
         calib = await run_concurrent(work, n_max, calibrate=True)
         retries = calib.reseeded
+        # one more small call: in trial runs the first measured request after calibration was slow
+        await client.chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": "hello"}], max_tokens=4, seed=0
+        )
         print(
             f"[{preset}] {params:,} params; calibration: {calib.calls} calls, {retries} reseeded call(s), "
-            f"finish {dict(calib.finish)}, {calib.seconds:.1f} s; repeats={repeats}",
+            f"finish {dict(calib.finish)}, {calib.seconds:.1f} s; turns={turns}, max_tokens={max_tokens}, "
+            f"repeats={repeats}",
             flush=True,
         )
         rows: list[Row] = []
         odd: Counter = Counter()
         mismatches: list[str] = []
         for n in args.agents:
-            expected = n * args.turns * args.max_tokens
+            expected = n * turns * max_tokens
             concurrent: list[RunStats] = []
             sequential: list[RunStats] = []
             for rep in range(repeats):
@@ -266,7 +285,9 @@ async def bench_preset(backend: Any, preset: str, folder: Path, args: argparse.N
                         if reason != "length":
                             odd[f"N={n} {mode} {reason}"] += count
                     if stats.tokens != expected:
-                        mismatches.append(f"N={n} rep {rep + 1} {mode}: {stats.tokens} tokens, expected {expected}")
+                        mismatches.append(
+                            f"N={n} rep {rep + 1} {mode}: {stats.tokens} tokens, expected {expected}"
+                        )
                     print(
                         f"[{preset}] N={n:>3} rep {rep + 1}/{repeats} {mode:<10}: {stats.tokens:>6} tok "
                         f"in {stats.seconds:6.2f} s = {stats.tok_s:8.1f} tok/s",
@@ -276,11 +297,24 @@ async def bench_preset(backend: Any, preset: str, folder: Path, args: argparse.N
     finally:
         await client.close()
     return PresetResult(
-        preset, params, repeats, rows, retries, odd, mismatches, time.perf_counter() - started
+        preset,
+        params,
+        turns,
+        max_tokens,
+        repeats,
+        rows,
+        retries,
+        odd,
+        mismatches,
+        time.perf_counter() - started,
     )
 
 
 # ------------------------------------------------------------------------------------------- reporting
+def _runs(repeats: int) -> str:
+    return "1 run" if repeats == 1 else f"median of {repeats} runs"
+
+
 def table(result: PresetResult) -> list[str]:
     lines = [
         "| N agents | concurrent tok/s | one-at-a-time tok/s | ratio | ratio per run |",
@@ -313,9 +347,11 @@ def section(results: list[PresetResult], args: argparse.Namespace, info: dict[st
         f"- Date: {dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
         f"- Machine: nproc={info['nproc']}, CPU: {info['cpu']}, torch {info['torch']}, "
         f"torch.get_num_threads()={info['torch_threads']}, Python {info['python']}",
-        f"- Workload: each agent makes {args.turns} chat-completion turns (assistant reply + a new user "
-        f"message appended each turn), max_tokens={args.max_tokens}, temperature=1.0, a fixed seed per "
-        "agent/turn, through `model.openai_client()` (openai.AsyncOpenAI) and the embedded engine on CPU",
+        "- Workload: each agent makes `turns` chat-completion calls (the assistant reply and a new user "
+        "message appended each turn), temperature=1.0, a fixed seed per agent/turn, through "
+        "`model.openai_client()` (openai.AsyncOpenAI) and the embedded engine on CPU; turns, max_tokens "
+        "and repetitions per preset are in each heading (`small` runs a lighter default workload, measured "
+        "once, to keep the default run within ~6 minutes)",
         "- Measured: generated tokens (`len(choice.token_ids)`) per second of wall time; *concurrent* = the N "
         "agents at once, *one-at-a-time* = the same calls sequentially, agent after agent; each figure is "
         "the median of the repetitions below, the order of the two modes alternating between repetitions",
@@ -327,15 +363,18 @@ def section(results: list[PresetResult], args: argparse.Namespace, info: dict[st
     ]
     for res in results:
         lines.append(
-            f"### Preset `{res.preset}` ({res.params:,} parameters), {args.turns} turns, "
-            f"max_tokens={args.max_tokens}, median of {res.repeats} runs"
+            f"### Preset `{res.preset}` ({res.params:,} parameters): {res.turns} turns, "
+            f"max_tokens={res.max_tokens}, {_runs(res.repeats)}"
         )
         lines.append("")
         lines.extend(table(res))
         lines.append("")
         notes = [f"calibration reseeded {res.calibration_retries} call(s)"]
         if res.odd_finishes:
-            notes.append("finish reasons other than `length`: " + ", ".join(f"{k}: {v}" for k, v in res.odd_finishes.items()))
+            notes.append(
+                "finish reasons other than `length`: "
+                + ", ".join(f"{k}: {v}" for k, v in res.odd_finishes.items())
+            )
         else:
             notes.append("every measured call finished with `length`")
         if res.token_mismatches:
@@ -377,13 +416,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise argparse.ArgumentTypeError("give positive integers separated by commas")
         return values
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    per_preset = "; ".join(f"{p}: {d}" for p, d in PRESET_DEFAULTS.items())
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Per-preset defaults when --turns/--max-tokens/--repeats are not given: " + per_preset,
+    )
     parser.add_argument("--presets", default="tiny,small", help="comma-separated TINY_MODEL_PRESETS names")
     parser.add_argument("--agents", type=ints, default=[1, 8, 32], help="comma-separated agent counts")
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=None, help="calls per agent (default: per preset)")
     parser.add_argument(
-        "--repeats", type=int, default=None, help=f"runs per measurement (default per preset: {DEFAULT_REPEATS})"
+        "--max-tokens", type=int, default=None, help="max_tokens per call (default: per preset)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs per measurement (default: per preset)"
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads(N) first (default: torch's own)",
     )
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--model-cache", type=Path, default=HERE / "out" / "models")
@@ -394,8 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [p for p in args.presets if p not in TINY_MODEL_PRESETS]
     if unknown:
         parser.error(f"unknown preset(s) {unknown}; choose from {sorted(TINY_MODEL_PRESETS)}")
-    if args.turns < 1 or args.max_tokens < 1 or (args.repeats is not None and args.repeats < 1):
-        parser.error("--turns, --max-tokens and --repeats must be >= 1")
+    if any(v is not None and v < 1 for v in (args.turns, args.max_tokens, args.repeats, args.torch_threads)):
+        parser.error("--turns, --max-tokens, --repeats and --torch-threads must be >= 1")
     return args
 
 
@@ -417,6 +468,10 @@ async def main_async(args: argparse.Namespace) -> list[PresetResult]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     info = machine_info()
     print(
         f"machine: nproc={info['nproc']}, {info['cpu']}, torch {info['torch']}, "
@@ -427,7 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     print()
     for res in results:
-        print(f"preset {res.preset} ({res.params:,} params), median of {res.repeats} runs:")
+        print(
+            f"preset {res.preset} ({res.params:,} params): {res.turns} turns, "
+            f"max_tokens={res.max_tokens}, {_runs(res.repeats)}"
+        )
         print("\n".join(table(res)))
         if res.odd_finishes:
             print("  finish reasons other than length:", dict(res.odd_finishes))
