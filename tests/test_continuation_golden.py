@@ -101,61 +101,39 @@ async def test_three_turn_tool_conversation_is_token_exact(scripted, tokenizer):
     assert [c.prompt_token_ids for c in again.choices()] == [c.prompt_token_ids for c in choices]
 
 
-async def test_edited_history_is_rendered_afresh(scripted, tokenizer):
+@pytest.mark.parametrize(
+    ("content", "arguments", "source"),
+    [
+        # a real edit of the turn (other arguments): rendered afresh from the messages
+        (None, '{"key": "kiwi"}', "rendered"),
+        # clients re-serialise arguments (spacing, key order) and send "" for None: still the same turn
+        ("", '{"key":"apple"}', "continuation"),
+    ],
+)
+async def test_resent_turn_continues_only_if_unchanged(scripted, tokenizer, content, arguments, source):
     engine, base_url = scripted
     engine.scripts = [encode(tokenizer, CALL_APPLE), encode(tokenizer, ANSWER)]
     client = openai.AsyncOpenAI(base_url=base_url, api_key="x", timeout=30)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Apples?"}]
-    first = (await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)).choices[
-        0
-    ]
-    call = first.message.tool_calls[0]
-    edited = {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": "lookup", "arguments": '{"key": "kiwi"}'},
-            }
-        ],
-    }
-    history = [*messages, edited, {"role": "tool", "tool_call_id": call.id, "content": "3"}]
-    second = (await client.chat.completions.create(model="scripted", messages=history, tools=TOOLS)).choices[
-        0
-    ]
-    assert second.prompt_source == "rendered"
-    rendered = tokenizer.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    assert second.prompt_token_ids == encode(tokenizer, rendered)
-
-
-async def test_equivalent_reserialisation_still_continues(scripted, tokenizer):
-    """Clients re-serialise arguments (spacing, key order) and send "" for None content: still the same turn."""
-    engine, base_url = scripted
-    engine.scripts = [encode(tokenizer, CALL_APPLE), encode(tokenizer, ANSWER)]
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="x", timeout=30)
-    messages = [{"role": "user", "content": "Apples?"}]
-    first = (await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)).choices[
-        0
-    ]
-    call = first.message.tool_calls[0]
+    response = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+    call = response.choices[0].message.tool_calls[0]
     resent = {
         "role": "assistant",
-        "content": "",
+        "content": content,
         "tool_calls": [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": "lookup", "arguments": '{"key":"apple"}'},
-            }
+            {"id": call.id, "type": "function", "function": {"name": "lookup", "arguments": arguments}}
         ],
     }
-    history = [*messages, resent, {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    history = [*messages, resent, {"role": "tool", "tool_call_id": call.id, "content": "3"}]
     second = (await client.chat.completions.create(model="scripted", messages=history, tools=TOOLS)).choices[
         0
     ]
-    assert second.prompt_source == "continuation"
+    assert second.prompt_source == source
+    if source == "rendered":
+        rendered = tokenizer.apply_chat_template(
+            history, tools=TOOLS, tokenize=False, add_generation_prompt=True
+        )
+        assert second.prompt_token_ids == encode(tokenizer, rendered)
 
 
 async def test_truncated_turn_is_closed_before_continuing(scripted, tokenizer):

@@ -124,3 +124,15 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.allclose(top_p_filter(probs, 0.7), torch.tensor([0.625, 0.375, 0.0, 0.0]))
     assert torch.allclose(top_p_filter(probs, 0.5), torch.tensor([1.0, 0.0, 0.0, 0.0]))
     assert torch.allclose(top_p_filter(probs, 1.0), probs)
+
+
+def test_a_stream_whose_loop_closed_reports_aborted_instead_of_raising():
+    from artrl.local.engine import SequenceStream
+    from artrl.local.sampling import TokenChoice
+
+    loop = asyncio.new_event_loop()
+    stream = SequenceStream(loop)
+    loop.close()
+    stream.push(TokenChoice(1, -0.1))  # would raise in the engine thread and take it down
+    stream.end("stop")
+    assert stream.aborted

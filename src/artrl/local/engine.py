@@ -38,10 +38,16 @@ class SequenceStream:
 
     # --- engine side (any thread) ---
     def push(self, choice: TokenChoice) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, choice)
+        self._deliver(choice)
 
     def end(self, reason: FinishReason, error: str | None = None) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, _End(reason, error))
+        self._deliver(_End(reason, error))
+
+    def _deliver(self, item: TokenChoice | _End) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+            self._aborted.set()
 
     @property
     def aborted(self) -> bool:

@@ -48,3 +48,11 @@ def context_length(model: Any, config: EngineConfig) -> int:
     if not model_max:
         raise ValueError("the model config has no max_position_embeddings; set EngineConfig(max_context=...)")
     return model_max
+
+
+def end_of_turn_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Token ids that end a completion: the tokenizer's eos plus the model's generation_config eos ids."""
+    ids = {tokenizer.convert_tokens_to_ids(tokenizer.eos_token)}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [] if configured is None else [configured])
+    return frozenset(ids)

@@ -11,7 +11,7 @@ from artrl.local.engine_hf import HFEngine
 from artrl.local.gateway.app import create_app
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.serving import ChatServing
-from artrl.local.loading import context_length, load_model_and_tokenizer
+from artrl.local.loading import context_length, end_of_turn_ids, load_model_and_tokenizer
 from artrl.local.server import GatewayServer
 
 
@@ -52,7 +52,13 @@ class LocalService:
         """Put a gateway in front of an engine that is already running."""
         builder = PromptBuilder(tokenizer, CompletionStore(gateway_config.completion_store_size))
         serving = ChatServing(
-            engine, tokenizer, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n
+            engine,
+            tokenizer,
+            builder,
+            [served_name],
+            engine_config.default_max_tokens,
+            engine_config.max_n,
+            end_of_turn_ids(model, tokenizer),
         )
         app = create_app(
             serving, api_key=gateway_config.api_key, max_request_bytes=gateway_config.max_request_bytes

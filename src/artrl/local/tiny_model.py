@@ -225,7 +225,6 @@ def _train_tokenizer(config: TinyModelConfig):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # keeps BPE training order deterministic
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

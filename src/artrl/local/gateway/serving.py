@@ -74,15 +74,12 @@ class ChatServing:
         model_names: list[str],
         default_max_tokens: int,
         max_n: int,
+        stop_token_ids: frozenset[int],
     ) -> None:
         self.engine, self.tokenizer, self.builder = engine, tokenizer, builder
         self.model_names = model_names
         self.default_max_tokens, self.max_n = default_max_tokens, max_n
-        eos = {tokenizer.convert_tokens_to_ids(tokenizer.eos_token)}
-        generation_eos = getattr(getattr(engine, "model", None), "generation_config", None)
-        extra = getattr(generation_eos, "eos_token_id", None)
-        eos.update(extra if isinstance(extra, list) else [extra] if extra is not None else [])
-        self.stop_token_ids = frozenset(eos)
+        self.stop_token_ids = stop_token_ids
 
     # ------------------------------------------------------------------ request → prepared
     def prepare(self, request: ChatRequest) -> PreparedRequest:
@@ -101,7 +98,7 @@ class ChatServing:
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         tool_names = {t["function"]["name"] for t in tools or []}
         use_tools = bool(tools) and request.tool_choice != "none"
-        forced = forced_prefix(request.tool_choice, sorted(tool_names)) if use_tools else ""
+        forced = forced_prefix(request.tool_choice) if use_tools else ""
         prompt = self.builder.build(messages, tools, forced)
         room = self.engine.max_context - len(prompt.ids)
         if room <= 0:

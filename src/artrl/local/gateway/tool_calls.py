@@ -67,7 +67,7 @@ def parse_tool_calls(text: str, allowed_names: set[str]) -> tuple[str | None, li
     return (content or None), calls
 
 
-def forced_prefix(tool_choice: object, tool_names: list[str]) -> str:
+def forced_prefix(tool_choice: object) -> str:
     """Text placed after the generation prompt so the model must call a tool (tool_choice required/named).
 
     It becomes part of the prompt ids (forced, never trained), and the model samples the rest of the call.
