@@ -5,8 +5,8 @@
 """
 
 from artrl.backend import LocalBackend
-from artrl.config import ClientConfig, EngineConfig, GatewayConfig, TinyModelConfig
-from artrl.model import TrainableModel
+from artrl.config import ClientConfig, EngineConfig, GatewayConfig, LoraConfig, TinyModelConfig, TrainConfig
+from artrl.model import TrainableModel, TrainResult
 from artrl.tiny import build_tiny_model, ensure_tiny_model
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -15,7 +15,10 @@ __all__ = [
     "EngineConfig",
     "GatewayConfig",
     "LocalBackend",
+    "LoraConfig",
     "TinyModelConfig",
+    "TrainConfig",
+    "TrainResult",
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",

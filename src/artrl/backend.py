@@ -1,22 +1,34 @@
-"""`LocalBackend`: serve (and later train) models on this machine. Light to import; heavy parts load on
+"""`LocalBackend`: serve and train models on this machine. Light to import; heavy parts load on
 `register` from `artrl.local`."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import time
 from typing import TYPE_CHECKING, Any
 
-from artrl.config import EngineConfig, GatewayConfig
-from artrl.model import TrainableModel
-from artrl.storage import atomic_write_json, latest_step, model_dir
+from artrl.config import EngineConfig, GatewayConfig, TrainConfig
+from artrl.model import TrainableModel, TrainResult
+from artrl.storage import (
+    append_history,
+    atomic_write_json,
+    checkpoint_dir,
+    latest_step,
+    model_dir,
+    publish_directory,
+    write_trajectories,
+)
+from artrl.trajectory import TrajectoryGroup
 
 if TYPE_CHECKING:
     from artrl.local.service import LocalService
 
 
 class LocalBackend:
-    """Runs the embedded engine and the OpenAI-compatible gateway in this process.
+    """Runs the embedded engine, the trainer and the OpenAI-compatible gateway in this process.
 
     Files go under `path/{project}/{model}/`. Use `async with LocalBackend() as backend:` or call
     `await backend.close()`.
@@ -33,6 +45,7 @@ class LocalBackend:
         self.engine_config = engine or EngineConfig()
         self.gateway_config = gateway or GatewayConfig()
         self._services: dict[tuple[str, str], LocalService] = {}
+        self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -46,31 +59,110 @@ class LocalBackend:
         except KeyError:
             raise RuntimeError(f"model {model.name!r} is not registered with this backend") from None
 
+    def directory(self, model: TrainableModel):
+        return model_dir(self.path, model.project, model.name)
+
     async def register(self, model: TrainableModel) -> tuple[str, str]:
         from artrl.local.service import LocalService
 
         key = (model.project, model.name)
         if key in self._services:
             raise ValueError(f"model {model.name!r} of project {model.project!r} is already registered")
-        directory = model_dir(self.path, model.project, model.name)
+        directory = self.directory(model)
+        spec = {
+            "name": model.name,
+            "project": model.project,
+            "base_model": model.base_model,
+            "lora": model.lora.model_dump() if model.lora else None,
+        }
+        saved = directory / "model.json"
+        if saved.exists():
+            before = json.loads(saved.read_text())
+            changed = [k for k in ("base_model", "lora") if before.get(k) != spec[k]]
+            if changed and latest_step(directory) > 0:
+                raise ValueError(
+                    f"{directory} holds checkpoints of this model with a different {', '.join(changed)}; "
+                    "use another model name (or remove that folder) to start afresh"
+                )
         atomic_write_json(
-            directory / "model.json",
+            saved,
             {
-                "name": model.name,
-                "project": model.project,
-                "base_model": model.base_model,
+                **spec,
                 "engine": self.engine_config.model_dump(),
                 "gateway": self.gateway_config.model_dump(exclude={"api_key"}),
             },
         )
+        step = latest_step(directory)
         service = await asyncio.to_thread(
-            LocalService.start, model.name, model.base_model, self.engine_config, self.gateway_config
+            LocalService.start,
+            model.name,
+            model.base_model,
+            self.engine_config,
+            self.gateway_config,
+            model.lora,
+            checkpoint_dir(directory, step) if step > 0 else None,
         )
         self._services[key] = service
+        self._train_locks[key] = asyncio.Lock()
         return service.base_url, self.gateway_config.api_key or "artrl"
 
     async def get_step(self, model: TrainableModel) -> int:
-        return latest_step(model_dir(self.path, model.project, model.name))
+        return latest_step(self.directory(model))
+
+    async def train(
+        self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig
+    ) -> TrainResult:
+        from artrl.local.batch import build_batch
+
+        service = self.service(model)
+        assert service.trainer is not None
+        directory = self.directory(model)
+        async with self._train_locks[(model.project, model.name)]:
+            batch = build_batch(
+                groups,
+                service.tokenizer,
+                service.max_context,
+                config.scale_rewards,
+                config.advantage_eps,
+                config.allow_rendered_turns,
+            )
+            step = latest_step(directory) + 1
+            write_trajectories(directory, "train", step, groups)
+            started = time.time()
+            metrics = dict(batch.metrics)
+            if batch.rows:
+                metrics.update(await asyncio.to_thread(service.trainer.step, batch, config))
+            else:
+                metrics["optimizer_steps"] = 0
+            await asyncio.to_thread(self._save_checkpoint, service, directory, step)
+            metrics["step_seconds"] = time.time() - started
+            append_history(directory, {"step": step, "split": "train", "time": time.time(), **metrics})
+        return TrainResult(step=step, metrics=metrics)
+
+    @staticmethod
+    def _save_checkpoint(service: LocalService, directory, step: int) -> None:
+        assert service.trainer is not None
+        final = checkpoint_dir(directory, step)
+        tmp = final.parent / f".tmp-{step:04d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        service.trainer.save(str(tmp))
+        publish_directory(tmp, final)
+
+    async def log(self, model: TrainableModel, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
+        directory = self.directory(model)
+        step = latest_step(directory)
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        metrics = {
+            "trajectories": len(rewards),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        }
+        for name in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
+            values = [float(t.metrics[name]) for g in groups for t in g.trajectories if name in t.metrics]
+            metrics[f"{name}_mean"] = sum(values) / len(values)
+        write_trajectories(directory, split, step, groups)
+        append_history(directory, {"step": step, "split": split, "time": time.time(), **metrics})
+        return metrics
 
     async def close(self) -> None:
         services, self._services = list(self._services.values()), {}

@@ -83,3 +83,55 @@ class ClientConfig(_Frozen):
 
     timeout_s: float = Field(default=600.0, gt=0)
     max_retries: int = Field(default=2, ge=0)
+
+
+class LoraConfig(_Frozen):
+    """The adapter trained on top of the served base weights (fixed when the model is registered)."""
+
+    rank: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+
+
+class TrainConfig(_Frozen):
+    """One `model.train(groups, config=...)` call = one optimizer step over all the groups' rows.
+
+    The rows are packed into micro-batches of at most `max_tokens_per_microbatch` tokens; gradients of all
+    micro-batches are accumulated (the loss is normalised by the trainable tokens of the whole call) and
+    AdamW steps once. Set `steps_per_call` > 1 to split the rows into that many optimizer steps instead.
+    """
+
+    learning_rate: float = Field(default=1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float | None = Field(default=1.0, gt=0, description="None = no gradient clipping")
+    loss: Literal["ppo", "cispo"] = "ppo"
+    clip_low: float = Field(default=0.2, ge=0, description="PPO: ratio clipped below at 1 - clip_low")
+    clip_high: float = Field(
+        default=0.28, ge=0, description="PPO/CISPO: ratio clipped above at 1 + clip_high"
+    )
+    tis_cap: float | None = Field(
+        default=None, gt=0, description="truncated importance sampling: cap on trainer/sampler ratio"
+    )
+    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty to the base model (adapter disabled)")
+    scale_rewards: bool = Field(
+        default=True, description="divide advantages by the group std (False: Dr.GRPO)"
+    )
+    advantage_eps: float = Field(default=1e-6, gt=0)
+    max_tokens_per_microbatch: int = Field(default=4096, ge=16)
+    logprob_chunk_size: int = Field(default=512, ge=1, description="positions per lm_head chunk")
+    steps_per_call: int = Field(default=1, ge=1)
+    allow_rendered_turns: bool = Field(
+        default=False,
+        description="train assistant turns without recorded token ids by rendering them with the chat "
+        "template (not token-exact; off by default)",
+    )

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from artrl.config import ClientConfig
+from artrl.config import ClientConfig, LoraConfig, TrainConfig
+from artrl.trajectory import TrajectoryGroup
 
 if TYPE_CHECKING:
     import openai
@@ -24,7 +25,20 @@ class Backend(Protocol):
 
     async def get_step(self, model: TrainableModel) -> int: ...
 
+    async def train(
+        self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig
+    ) -> TrainResult: ...
+
+    async def log(
+        self, model: TrainableModel, groups: list[TrajectoryGroup], split: str
+    ) -> dict[str, float]: ...
+
     async def close(self) -> None: ...
+
+
+class TrainResult(BaseModel):
+    step: int  # the step just completed (its checkpoint is saved)
+    metrics: dict[str, float | int]
 
 
 class TrainableModel(BaseModel):
@@ -33,6 +47,9 @@ class TrainableModel(BaseModel):
     name: str
     project: str
     base_model: str = Field(description="Hugging Face hub id or local model folder")
+    lora: LoraConfig | None = Field(
+        default_factory=LoraConfig, description="the trained adapter; None = full fine-tuning (small models)"
+    )
     client: ClientConfig = Field(default_factory=ClientConfig)
 
     _backend: Backend | None = PrivateAttr(default=None)
@@ -96,3 +113,17 @@ class TrainableModel(BaseModel):
     async def get_step(self) -> int:
         """The latest training step of this model (0 before any training)."""
         return await self._require_backend().get_step(self)
+
+    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
+        """GRPO on scored groups: one optimizer step (see TrainConfig), a checkpoint, a history row.
+
+        The served model is the updated one as soon as this returns (and, with the embedded engine, from the
+        next generated token on).
+        """
+        return await self._require_backend().train(self, list(groups), config or TrainConfig())
+
+    async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
+        """Record evaluation rollouts (trajectories + a history row at the current step) without training."""
+        if not _SAFE_NAME.match(split):
+            raise ValueError(f"split {split!r} must be letters, digits, '.', '_' or '-'")
+        return await self._require_backend().log(self, list(groups), split)

@@ -44,3 +44,46 @@ def latest_step(directory: Path) -> int:
         return 0
     steps = [int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit()]
     return max(steps, default=0)
+
+
+def checkpoint_dir(directory: Path, step: int) -> Path:
+    return directory / "checkpoints" / f"{step:04d}"
+
+
+def write_trajectories(directory: Path, split: str, step: int, groups: list[Any]) -> Path:
+    """One JSON line per TrajectoryGroup, written atomically."""
+    path = directory / "trajectories" / split / f"{step:04d}.jsonl"
+    atomic_write_bytes(path, "".join(g.model_dump_json() + "\n" for g in groups).encode())
+    return path
+
+
+def append_history(directory: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line and fsync it; readers skip a line torn by a crash."""
+    path = directory / "history.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_history(directory: Path) -> list[dict[str, Any]]:
+    path = directory / "history.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+    return rows
+
+
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Make a fully written temporary directory visible under its final name in one rename."""
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    os.replace(tmp, final)

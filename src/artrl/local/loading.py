@@ -21,14 +21,21 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_model_and_tokenizer(base_model: str, config: EngineConfig) -> tuple[Any, Any]:
-    """`base_model` is what `from_pretrained` takes: a folder (e.g. from `artrl tiny-model`) or a hub id."""
+def load_model_and_tokenizer(
+    base_model: str, config: EngineConfig, weights_from: str | None = None
+) -> tuple[Any, Any]:
+    """`base_model` is what `from_pretrained` takes: a folder (e.g. from `artrl tiny-model`) or a hub id.
+
+    `weights_from` (a full-weights checkpoint folder) replaces the base weights; the tokenizer stays the base's.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = pick_device(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(base_model)
-        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=pick_dtype(config, device))
+        model = AutoModelForCausalLM.from_pretrained(
+            weights_from or base_model, dtype=pick_dtype(config, device)
+        )
     except OSError as exc:
         raise ValueError(
             f"could not load base_model={base_model!r}: {exc}. Give a Hugging Face model folder "

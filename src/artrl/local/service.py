@@ -1,11 +1,12 @@
-"""One served model: loaded weights, an engine and the gateway, wired together (layer 4)."""
+"""One served model: loaded weights (+ adapter), the engine, the trainer and the gateway, wired together."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from artrl.config import EngineConfig, GatewayConfig
+from artrl.config import EngineConfig, GatewayConfig, LoraConfig
 from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
 from artrl.local.gateway.app import create_app
@@ -13,6 +14,7 @@ from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.serving import ChatServing
 from artrl.local.loading import context_length, end_of_turn_ids, load_model_and_tokenizer
 from artrl.local.server import GatewayServer
+from artrl.local.trainer import Trainer, attach_adapter
 
 
 @dataclass
@@ -21,6 +23,8 @@ class LocalService:
     tokenizer: Any
     engine: Engine
     server: GatewayServer
+    trainer: Trainer | None = None
+    max_context: int = 0
 
     @property
     def base_url(self) -> str:
@@ -28,16 +32,29 @@ class LocalService:
 
     @classmethod
     def start(
-        cls, served_name: str, base_model: str, engine_config: EngineConfig, gateway_config: GatewayConfig
+        cls,
+        served_name: str,
+        base_model: str,
+        engine_config: EngineConfig,
+        gateway_config: GatewayConfig,
+        lora: LoraConfig | None,
+        resume_from: Path | None = None,
     ) -> LocalService:
-        """Blocking: load the model and start serving it. Run it in a worker thread from async code."""
-        model, tokenizer = load_model_and_tokenizer(base_model, engine_config)
-        engine = HFEngine(
-            model,
-            max_context=context_length(model, engine_config),
-            max_batch_size=engine_config.max_batch_size,
+        """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread."""
+        full_weights = lora is None and resume_from is not None
+        model, tokenizer = load_model_and_tokenizer(
+            base_model, engine_config, str(resume_from) if full_weights else None
         )
-        return cls.serve(served_name, model, tokenizer, engine, engine_config, gateway_config)
+        model = attach_adapter(model, lora)
+        model.eval()
+        max_context = context_length(model, engine_config)
+        engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
+        trainer = Trainer(model, engine.weights_lock, pad_id=tokenizer.pad_token_id or 0)
+        if resume_from is not None:
+            trainer.load(str(resume_from))
+        service = cls.serve(served_name, model, tokenizer, engine, engine_config, gateway_config)
+        service.trainer = trainer
+        return service
 
     @classmethod
     def serve(
@@ -65,7 +82,7 @@ class LocalService:
         )
         server = GatewayServer(app, gateway_config.host, gateway_config.port)
         server.start(gateway_config.startup_timeout_s)
-        return cls(model, tokenizer, engine, server)
+        return cls(model, tokenizer, engine, server, max_context=engine.max_context)
 
     async def close(self) -> None:
         self.server.stop()

@@ -1,0 +1,87 @@
+"""From scored groups to what one optimizer step trains on: rows, per-row advantages, and what was skipped."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from artrl.local.advantages import group_advantages
+from artrl.local.rows import Row, trajectory_rows
+from artrl.trajectory import TrajectoryGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingBatch:
+    rows: list[Row] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)  # per row
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def check_groups(groups: list[TrajectoryGroup]) -> None:
+    """Errors a caller must fix before anything is trained or written."""
+    if not groups:
+        raise ValueError("train() got no groups: pass a non-empty list of TrajectoryGroup")
+    for g, group in enumerate(groups):
+        for t, traj in enumerate(group.trajectories):
+            if not math.isfinite(traj.reward):
+                raise ValueError(
+                    f"group {g}, trajectory {t} has reward {traj.reward}: rewards must be finite numbers"
+                )
+
+
+def build_batch(
+    groups: list[TrajectoryGroup],
+    tokenizer: Any,
+    max_context: int,
+    scale_rewards: bool,
+    eps: float,
+    allow_rendered: bool,
+) -> TrainingBatch:
+    check_groups(groups)
+    usable = [g for g in groups if len(g.trajectories) >= 2]
+    rewards = [[t.reward for t in g.trajectories] for g in usable]
+    computed = group_advantages(rewards, scale_rewards=scale_rewards, eps=eps)
+    batch = TrainingBatch()
+    skipped_untrainable = skipped_long = 0
+    index = 0
+    for group, advantages in zip(usable, computed.advantages, strict=True):
+        for traj, advantage in zip(group.trajectories, advantages, strict=True):
+            rows = trajectory_rows(traj, index, tokenizer, allow_rendered)
+            index += 1
+            if not rows:
+                skipped_untrainable += 1
+                continue
+            for row in rows:
+                if len(row.ids) > max_context:
+                    skipped_long += 1
+                    log.warning(
+                        "skipping a row of %d tokens: longer than the context (%d)", len(row.ids), max_context
+                    )
+                    continue
+                if advantage != 0.0:
+                    batch.rows.append(row)
+                    batch.advantages.append(advantage)
+    all_rewards = [r for group in rewards for r in group]
+    singletons = len(groups) - len(usable)
+    if singletons:
+        log.warning("%d group(s) of fewer than 2 trajectories carry no relative signal: skipped", singletons)
+    mean = sum(all_rewards) / len(all_rewards) if all_rewards else 0.0
+    batch.metrics = {
+        "groups": len(groups),
+        "trajectories": sum(len(g.trajectories) for g in groups),
+        "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in all_rewards) / len(all_rewards))
+        if all_rewards
+        else 0.0,
+        "groups_skipped_too_small": singletons,
+        "groups_zero_variance": computed.zero_variance_groups,
+        "trajectories_without_trainable_turns": skipped_untrainable,
+        "rows_skipped_too_long": skipped_long,
+        "rows": len(batch.rows),
+        "trainable_tokens": sum(r.trainable_tokens for r in batch.rows),
+    }
+    return batch

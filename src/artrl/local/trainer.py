@@ -1,0 +1,198 @@
+"""GRPO updates of the weights the engine serves: one model object, one copy of the base weights.
+
+The LoRA adapter (or, for small models, every weight) is trained in place on the model that the embedded
+engine generates with. A training step holds the engine's `weights_lock`: generation pauses between two
+token steps, and the next token is sampled from the updated weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from artrl.config import LoraConfig, TrainConfig
+from artrl.local.batch import TrainingBatch
+from artrl.local.loss import LossSettings, policy_loss
+from artrl.local.pack import MicroBatch, collate, pack
+
+
+def attach_adapter(model: Any, lora: LoraConfig | None) -> Any:
+    """Wrap `model` with a fresh LoRA adapter (None = full fine-tuning: every weight trainable)."""
+    if lora is None:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def _inner(model: Any) -> Any:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def token_logprobs(
+    model: Any, batch: MicroBatch, chunk: int, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(token t+1 | tokens ≤ t) and the entropy of that distribution, both (B, T-1).
+
+    The lm_head runs on `chunk` positions at a time under activation checkpointing, so the full
+    (B, T, vocab) logits never exist at once, in the forward pass or the backward pass.
+    """
+    inner = _inner(model)
+    hidden = inner.get_decoder()(
+        input_ids=batch.ids, attention_mask=batch.attention
+    ).last_hidden_state  # (B,T,H)
+    head = inner.get_output_embeddings()
+    hidden, targets = hidden[:, :-1], batch.ids[:, 1:]  # (B, T-1, H), (B, T-1)
+
+    def piece(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(head(h).float(), dim=-1)  # (B, c, V)
+        picked = logp.gather(-1, y[..., None])[..., 0]  # (B, c)
+        entropy = (
+            -(logp.exp() * logp).sum(-1).detach() if with_entropy else torch.zeros_like(picked)
+        )  # (B, c)
+        return picked, entropy
+
+    parts = [
+        checkpoint(piece, hidden[:, s : s + chunk], targets[:, s : s + chunk], use_reentrant=False)
+        if torch.is_grad_enabled()
+        else piece(hidden[:, s : s + chunk], targets[:, s : s + chunk])
+        for s in range(0, hidden.shape[1], chunk)
+    ]
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+
+
+class Trainer:
+    def __init__(self, model: Any, weights_lock: threading.RLock, pad_id: int) -> None:
+        self.model = model
+        self.weights_lock = weights_lock
+        self.pad_id = pad_id
+        self.has_adapter = hasattr(model, "disable_adapter")
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("the model has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-4)
+        self.device = next(model.parameters()).device
+
+    def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
+        """One optimizer step per `steps_per_call` slice of the rows; returns metrics."""
+        started = time.perf_counter()
+        if config.kl_coef > 0 and not self.has_adapter:
+            raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
+        for group in self.optimizer.param_groups:
+            group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
+        settings = LossSettings(
+            config.loss, config.clip_low, config.clip_high, config.tis_cap, config.kl_coef
+        )
+        order = list(range(len(batch.rows)))
+        slices = [order[i :: config.steps_per_call] for i in range(config.steps_per_call)]
+        totals = {
+            "loss": 0.0,
+            "clipped": 0.0,
+            "kl": 0.0,
+            "ratio": 0.0,
+            "mismatch": 0.0,
+            "entropy": 0.0,
+            "weight": 0.0,
+            "grad_norm": 0.0,
+            "optimizer_steps": 0,
+        }
+        with self.weights_lock:
+            self.model.train()
+            try:
+                for indices in slices:
+                    if indices:
+                        self._optimizer_step(batch, indices, config, settings, totals)
+            finally:
+                self.model.eval()
+                self.optimizer.zero_grad(set_to_none=True)
+        weight = totals["weight"] or 1.0
+        return {
+            "loss": totals["loss"],
+            "clip_fraction": totals["clipped"] / weight,
+            "kl": totals["kl"] / weight,
+            "ratio_mean": totals["ratio"] / weight,
+            "logprob_mismatch_mean": totals["mismatch"] / weight,
+            "entropy": totals["entropy"] / weight,
+            "grad_norm": totals["grad_norm"],
+            "optimizer_steps": totals["optimizer_steps"],
+            "train_seconds": time.perf_counter() - started,
+        }
+
+    def _optimizer_step(
+        self,
+        batch: TrainingBatch,
+        indices: list[int],
+        config: TrainConfig,
+        settings: LossSettings,
+        totals: dict[str, float],
+    ) -> None:
+        rows = [batch.rows[i] for i in indices]
+        normaliser = sum(r.weight * (r.trainable_tokens - r.mask[0]) for r in rows)  # targets = positions 1..
+        for micro in pack(rows, config.max_tokens_per_microbatch):
+            mb = collate(
+                [rows[i] for i in micro],
+                [batch.advantages[indices[i]] for i in micro],
+                self.device,
+                self.pad_id,
+            )
+            lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
+            lp_ref = None
+            if settings.kl_coef > 0:
+                with torch.no_grad(), self.model.disable_adapter():
+                    lp_ref, _ = token_logprobs(self.model, mb, config.logprob_chunk_size, with_entropy=False)
+            terms = policy_loss(
+                lp, mb.behaviour, mb.advantages, mb.mask, mb.weights, normaliser, settings, lp_ref
+            )
+            terms.loss.backward()
+            token_weight = mb.mask * mb.weights[:, None]  # (B, T-1)
+            totals["loss"] += float(terms.loss.detach())
+            totals["clipped"] += terms.clipped_tokens
+            totals["kl"] += terms.kl
+            totals["ratio"] += terms.ratio
+            totals["mismatch"] += terms.mismatch
+            totals["entropy"] += float((entropy * token_weight).sum())
+            totals["weight"] += float(token_weight.sum())
+        max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
+        totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals["optimizer_steps"] += 1
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, directory: str) -> None:
+        """Adapter (PEFT format) or full weights, plus the optimizer state, into `directory`."""
+        with self.weights_lock:
+            self.model.save_pretrained(directory)
+            torch.save(self.optimizer.state_dict(), f"{directory}/optimizer.pt")
+
+    def load(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        with self.weights_lock:
+            if self.has_adapter:
+                from peft import set_peft_model_state_dict
+
+                state = load_file(f"{directory}/adapter_model.safetensors", device=str(self.device))
+                result = set_peft_model_state_dict(self.model, state)
+                if getattr(result, "unexpected_keys", None):
+                    raise ValueError(
+                        f"checkpoint {directory} does not fit this adapter: {result.unexpected_keys}"
+                    )
+            optimizer_file = f"{directory}/optimizer.pt"
+            with contextlib.suppress(FileNotFoundError):
+                self.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device))
