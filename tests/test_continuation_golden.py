@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from artrl import Trajectory
+from artrl.local.rows import trajectory_rows
 
 SYSTEM = "You are a shop assistant."
 TOOLS = [
@@ -95,6 +96,17 @@ async def test_three_turn_tool_conversation_is_token_exact(scripted, tokenizer):
         assert after.prompt_token_ids[: len(before.prompt_token_ids) + len(before.token_ids)] == (
             before.prompt_token_ids + before.token_ids
         )
+    # training sees one row: exactly the last prompt + its sampled ids, trained exactly on the sampled spans
+    (row,) = trajectory_rows(traj, 0, tokenizer, allow_rendered=False)
+    assert row.ids == third.prompt_token_ids + third.token_ids
+    sampled_spans = [encode(tokenizer, CALL_APPLE), encode(tokenizer, CALL_PEAR), encode(tokenizer, ANSWER)]
+    expected_mask = [0] * len(prompt1)
+    for i, span in enumerate(sampled_spans):
+        expected_mask += [1] * len(span)
+        if i < 2:
+            expected_mask += [0] * (len(choices[i + 1].prompt_token_ids) - len(expected_mask))
+    assert row.mask == expected_mask
+    assert [t for t, m in zip(row.ids, row.mask, strict=True) if m] == [t for s in sampled_spans for t in s]
     # the trajectory keeps every id through JSON
     again = Trajectory.model_validate_json(traj.model_dump_json())
     assert [c.token_ids for c in again.choices()] == [c.token_ids for c in choices]

@@ -19,6 +19,7 @@ from artrl.storage import (
     latest_step,
     model_dir,
     publish_directory,
+    repair_history,
     write_trajectories,
 )
 from artrl.trajectory import TrajectoryGroup
@@ -73,12 +74,12 @@ class LocalBackend:
             "name": model.name,
             "project": model.project,
             "base_model": model.base_model,
-            "lora": model.lora.model_dump() if model.lora else None,
+            "lora": model.lora.model_dump(mode="json") if model.lora else None,
         }
         saved = directory / "model.json"
         if saved.exists():
             before = json.loads(saved.read_text())
-            changed = [k for k in ("base_model", "lora") if before.get(k) != spec[k]]
+            changed = [k for k in ("base_model", "lora") if before.get(k) != json.loads(json.dumps(spec[k]))]
             if changed and latest_step(directory) > 0:
                 raise ValueError(
                     f"{directory} holds checkpoints of this model with a different {', '.join(changed)}; "
@@ -93,6 +94,7 @@ class LocalBackend:
             },
         )
         step = latest_step(directory)
+        repair_history(directory)
         service = await asyncio.to_thread(
             LocalService.start,
             model.name,
@@ -134,19 +136,22 @@ class LocalBackend:
                 metrics.update(await asyncio.to_thread(service.trainer.step, batch, config))
             else:
                 metrics["optimizer_steps"] = 0
-            await asyncio.to_thread(self._save_checkpoint, service, directory, step)
             metrics["step_seconds"] = time.time() - started
-            append_history(directory, {"step": step, "split": "train", "time": time.time(), **metrics})
+            row = {"step": step, "split": "train", "time": time.time(), **metrics}
+            await asyncio.to_thread(self._save_checkpoint, service, directory, step, row)
+            append_history(directory, row)
         return TrainResult(step=step, metrics=metrics)
 
     @staticmethod
-    def _save_checkpoint(service: LocalService, directory, step: int) -> None:
+    def _save_checkpoint(service: LocalService, directory, step: int, history_row: dict[str, Any]) -> None:
+        """Weights, optimizer and the step's history row, published together by one rename."""
         assert service.trainer is not None
         final = checkpoint_dir(directory, step)
         tmp = final.parent / f".tmp-{step:04d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         service.trainer.save(str(tmp))
+        atomic_write_json(tmp / "history_row.json", history_row)
         publish_directory(tmp, final)
 
     async def log(self, model: TrainableModel, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:

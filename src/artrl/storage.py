@@ -61,8 +61,11 @@ def append_history(directory: Path, row: dict[str, Any]) -> None:
     """Append one JSON line and fsync it; readers skip a line torn by a crash."""
     path = directory / "history.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
+    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
+        f.write(
+            ("\n" if torn else "") + json.dumps(row, sort_keys=True) + "\n"
+        )  # never glue onto a torn line
         f.flush()
         os.fsync(f.fileno())
 
@@ -87,3 +90,18 @@ def publish_directory(tmp: Path, final: Path) -> None:
 
         shutil.rmtree(final)
     os.replace(tmp, final)
+
+
+def repair_history(directory: Path) -> int:
+    """Re-append the train rows of checkpoints whose history line a crash cut off; returns how many."""
+    have = {(row.get("step"), row.get("split")) for row in read_history(directory)}
+    checkpoints = directory / "checkpoints"
+    missing = []
+    if checkpoints.is_dir():
+        for folder in sorted(p for p in checkpoints.iterdir() if p.name.isdigit()):
+            saved = folder / "history_row.json"
+            if (int(folder.name), "train") not in have and saved.exists():
+                missing.append(json.loads(saved.read_text()))
+    for row in missing:
+        append_history(directory, row)
+    return len(missing)

@@ -1,0 +1,213 @@
+"""GRPO training end to end on the tiny model: rollouts through the gateway → train → the served model
+changes; checkpoints, history, resume, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+import artrl
+import artrl.storage
+from artrl.local.rows import UntrackedTurnsError
+
+PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
+
+
+@pytest.fixture
+async def trained(tiny_model_dir, tmp_path):
+    """A fresh backend + model per test (training changes weights); yields (model, backend)."""
+    backend = artrl.LocalBackend(path=tmp_path / "artrl")
+    model = artrl.TrainableModel(name="tiny", project="train", base_model=str(tiny_model_dir))
+    await model.register(backend)
+    yield model, backend
+    await backend.close()
+
+
+async def rollouts(model, rewards: list[float], max_tokens: int = 8) -> artrl.TrajectoryGroup:
+    client = model.openai_client()
+
+    async def one(i: int, reward: float) -> artrl.Trajectory:
+        response = await client.chat.completions.create(
+            model=model.name, messages=PROMPT, max_tokens=max_tokens, seed=i
+        )
+        return artrl.Trajectory(messages_and_choices=[*PROMPT, response.choices[0]], reward=reward)
+
+    return artrl.TrajectoryGroup(await asyncio.gather(*(one(i, r) for i, r in enumerate(rewards))))
+
+
+def trainable(backend, model) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().clone() for n, p in backend.service(model).model.named_parameters() if p.requires_grad
+    }
+
+
+async def test_one_step_updates_the_adapter_and_the_served_model(trained):
+    model, backend = trained
+    client = model.openai_client()
+    probe = {"model": model.name, "messages": PROMPT, "max_tokens": 6, "temperature": 0.0}
+    before_probe = (await client.chat.completions.create(**probe)).choices[0]
+    before = trainable(backend, model)
+    assert before and all("lora_" in n for n in before)
+    result = await model.train(
+        [await rollouts(model, [1, 0, 0, 1])], config=artrl.TrainConfig(learning_rate=1e-2)
+    )
+    assert result.step == 1 and await model.get_step() == 1
+    assert result.metrics["optimizer_steps"] == 1 and result.metrics["rows"] == 4
+    after = trainable(backend, model)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    # LoRA starts with B = 0, so ∂L/∂A = Bᵀ·(…) = 0 on the very first step: every B moves, every A cannot yet
+    assert changed == {n for n in before if "lora_B" in n}
+    await model.train([await rollouts(model, [0, 1, 1, 0])], config=artrl.TrainConfig(learning_rate=1e-2))
+    final = trainable(backend, model)
+    assert all(not torch.equal(before[n], final[n]) for n in before), "every LoRA parameter changed by step 2"
+    # the very next request is served by the updated weights
+    after_probe = (await client.chat.completions.create(**probe)).choices[0]
+    assert after_probe.token_ids != before_probe.token_ids or after_probe.token_logprobs != pytest.approx(
+        before_probe.token_logprobs, abs=1e-6
+    )
+
+
+async def test_equal_rewards_change_nothing_but_the_step_is_recorded(trained):
+    model, backend = trained
+    before = trainable(backend, model)
+    result = await model.train([await rollouts(model, [0.5, 0.5, 0.5])])
+    assert result.step == 1 and result.metrics["groups_zero_variance"] == 1 and result.metrics["rows"] == 0
+    after = trainable(backend, model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    directory = backend.directory(model)
+    assert (directory / "checkpoints" / "0001" / "adapter_model.safetensors").exists()
+    assert (directory / "trajectories" / "train" / "0001.jsonl").exists()
+    history = [json.loads(line) for line in (directory / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["step"] == 1 and history[-1]["split"] == "train"
+
+
+async def test_files_resume_and_peft_loading(tiny_model_dir, tmp_path):
+    path = tmp_path / "artrl"
+    async with artrl.LocalBackend(path=path) as backend:
+        model = artrl.TrainableModel(name="tiny", project="resume", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        await model.train([await rollouts(model, [1, 0])], config=artrl.TrainConfig(learning_rate=1e-2))
+        await model.train([await rollouts(model, [0, 1])], config=artrl.TrainConfig(learning_rate=1e-2))
+        saved = trainable(backend, model)
+        await model.log([await rollouts(model, [1, 0])], split="val")
+    async with artrl.LocalBackend(path=path) as backend:
+        again = artrl.TrainableModel(name="tiny", project="resume", base_model=str(tiny_model_dir))
+        await again.register(backend)
+        assert await again.get_step() == 2
+        restored = trainable(backend, again)
+        assert all(torch.equal(saved[n], restored[n]) for n in saved)
+        assert backend.service(again).trainer.optimizer.state, "optimizer state restored"
+        result = await again.train([await rollouts(again, [1, 0])])
+        assert result.step == 3
+    directory = path / "resume" / "tiny"
+    history = [json.loads(line) for line in (directory / "history.jsonl").read_text().splitlines()]
+    assert [(h["step"], h["split"]) for h in history] == [
+        (1, "train"),
+        (2, "train"),
+        (2, "val"),
+        (3, "train"),
+    ]
+    assert (directory / "trajectories" / "val" / "0002.jsonl").exists()
+    group = artrl.TrajectoryGroup.model_validate_json(
+        (directory / "trajectories/train/0001.jsonl").read_text()
+    )
+    assert group.trajectories[0].choices()[0].token_ids  # ids survive on disk
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), directory / "checkpoints/0002"
+    )
+    loaded = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert loaded.keys() == {n.replace(".default", ".default") for n in saved}
+    assert all(torch.equal(loaded[n], saved[n]) for n in saved)
+
+
+async def test_full_finetuning_changes_every_parameter(tiny_model_dir, tmp_path):
+    async with artrl.LocalBackend(path=tmp_path) as backend:
+        model = artrl.TrainableModel(name="full", project="t", base_model=str(tiny_model_dir), lora=None)
+        await model.register(backend)
+        before = trainable(backend, model)
+        await model.train([await rollouts(model, [1, 0, 1, 0])], config=artrl.TrainConfig(learning_rate=1e-3))
+        after = trainable(backend, model)
+        assert len(before) == len(list(backend.service(model).model.parameters()))
+        assert all(not torch.equal(before[n], after[n]) for n in before)
+    async with artrl.LocalBackend(path=tmp_path) as backend:
+        again = artrl.TrainableModel(name="full", project="t", base_model=str(tiny_model_dir), lora=None)
+        await again.register(backend)
+        assert all(torch.equal(after[n], p) for n, p in trainable(backend, again).items())
+
+
+async def test_kl_penalty_and_cispo_run(trained):
+    model, _ = trained
+    kl = await model.train(
+        [await rollouts(model, [1, 0])], config=artrl.TrainConfig(learning_rate=1e-2, kl_coef=0.1)
+    )
+    assert kl.metrics["kl"] >= 0
+    cispo = await model.train(
+        [await rollouts(model, [1, 0])], config=artrl.TrainConfig(loss="cispo", tis_cap=2.0)
+    )
+    assert cispo.step == 2 and cispo.metrics["logprob_mismatch_mean"] < 1e-3
+
+
+async def test_rollouts_keep_running_while_training(trained):
+    model, _ = trained
+    group = await rollouts(model, [1, 0, 1, 0])
+    busy = asyncio.create_task(rollouts(model, [0] * 8, max_tokens=64))
+    await model.train([group], config=artrl.TrainConfig(learning_rate=1e-2))
+    assert len(await busy) == 8
+
+
+async def test_bad_input_is_an_error_before_anything_is_written(trained):
+    model, backend = trained
+    with pytest.raises(ValueError, match="no groups"):
+        await model.train([])
+    with pytest.raises(ValueError, match="finite"):
+        await model.train([await rollouts(model, [1.0, float("nan")])])
+    foreign = artrl.TrajectoryGroup(
+        [
+            artrl.Trajectory(messages_and_choices=[*PROMPT, {"role": "assistant", "content": "x"}], reward=r)
+            for r in (0, 1)
+        ]
+    )
+    with pytest.raises(UntrackedTurnsError):
+        await model.train([foreign])
+    assert await model.get_step() == 0
+    assert not (backend.directory(model) / "trajectories").exists()
+    # a group of one carries no signal: skipped and counted, the step still happens
+    result = await model.train([await rollouts(model, [1.0]), await rollouts(model, [1, 0])])
+    assert result.metrics["groups_skipped_too_small"] == 1 and result.metrics["rows"] == 2
+    # opting in trains re-rendered turns
+    opted = await model.train([foreign], config=artrl.TrainConfig(allow_rendered_turns=True))
+    assert opted.metrics["rows"] == 2
+
+
+async def test_rows_longer_than_the_context_are_skipped(tiny_model_dir, tmp_path):
+    backend = artrl.LocalBackend(path=tmp_path, engine=artrl.EngineConfig(max_context=64))
+    async with backend:
+        model = artrl.TrainableModel(name="short", project="t", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        group = await rollouts(model, [1, 0], max_tokens=8)
+        long_choice = group.trajectories[0].choices()[0].model_copy()
+        long_choice.prompt_token_ids = list(range(10, 100))  # type: ignore[attr-defined]
+        group.trajectories[0].messages_and_choices[-1] = long_choice
+        result = await model.train([group])
+        assert result.metrics["rows_skipped_too_long"] == 1 and result.metrics["rows"] == 1
+
+
+async def test_a_history_row_lost_in_a_crash_is_restored_from_the_checkpoint(tiny_model_dir, tmp_path):
+    async with artrl.LocalBackend(path=tmp_path) as backend:
+        model = artrl.TrainableModel(name="h", project="t", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        result = await model.train([await rollouts(model, [1, 0])])
+    history = tmp_path / "t" / "h" / "history.jsonl"
+    history.write_text(history.read_text()[:-20])  # a torn last line, as a kill mid-append leaves it
+    async with artrl.LocalBackend(path=tmp_path) as backend:
+        await artrl.TrainableModel(name="h", project="t", base_model=str(tiny_model_dir)).register(backend)
+    rows = artrl.storage.read_history(tmp_path / "t" / "h")
+    assert [(r["step"], r["split"]) for r in rows] == [(1, "train")]
+    assert rows[0]["rows"] == result.metrics["rows"]
