@@ -211,3 +211,35 @@ async def test_a_history_row_lost_in_a_crash_is_restored_from_the_checkpoint(tin
     rows = artrl.storage.read_history(tmp_path / "t" / "h")
     assert [(r["step"], r["split"]) for r in rows] == [(1, "train")]
     assert rows[0]["rows"] == result.metrics["rows"]
+
+
+def test_chunked_logprobs_equal_full_logits(tiny_model_dir):
+    """The lm_head runs in chunks under checkpointing: values and gradients equal the plain computation."""
+    from transformers import AutoModelForCausalLM
+
+    from artrl.local.pack import collate
+    from artrl.local.rows import Row
+    from artrl.local.trainer import attach_adapter, token_logprobs
+
+    model = attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), artrl.LoraConfig())
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # a non-trivial adapter
+    rows = [
+        Row(list(range(5, 40)), [0] * 10 + [1] * 25, [0.0] * 35),
+        Row(list(range(50, 70)), [0] * 5 + [1] * 15, [0.0] * 20),
+    ]
+    batch = collate(rows, [1.0, -1.0], torch.device("cpu"))
+    results = []
+    for chunk in (7, 10_000):
+        model.zero_grad()
+        lp, _ = token_logprobs(model, batch, chunk)  # (B, T-1)
+        (lp * batch.mask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((lp.detach(), grads))
+    logits = model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]  # (B, T-1, V)
+    reference = torch.log_softmax(logits, -1).gather(-1, batch.ids[:, 1:, None])[..., 0]
+    assert torch.allclose(results[0][0], reference, atol=1e-5)
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1], strict=True))

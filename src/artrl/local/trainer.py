@@ -81,7 +81,9 @@ class Trainer:
         self.model = model
         self.weights_lock = weights_lock
         self.pad_id = pad_id
-        self.has_adapter = hasattr(model, "disable_adapter")
+        from peft import PeftModel
+
+        self.has_adapter = isinstance(model, PeftModel)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("the model has no trainable parameters")
