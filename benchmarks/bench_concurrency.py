@@ -386,14 +386,14 @@ def section(results: list[PresetResult], args: argparse.Namespace, info: dict[st
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace the section that starts with SECTION_HEADING (up to the next `## ` heading), or append it."""
+def write_section(path: Path, text: str, heading: str = SECTION_HEADING) -> None:
+    """Replace the section that starts with `heading` (up to the next `## ` heading), or append it."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("# Benchmarks\n\n" + text)
         return
     lines = path.read_text().splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION_HEADING), None)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
     if start is None:
         existing = "".join(lines)
         if existing and not existing.endswith("\n"):
