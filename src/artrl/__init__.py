@@ -5,7 +5,15 @@
 """
 
 from artrl.backend import LocalBackend
-from artrl.config import ClientConfig, EngineConfig, GatewayConfig, LoraConfig, TinyModelConfig, TrainConfig
+from artrl.config import (
+    ClientConfig,
+    EngineConfig,
+    GatewayConfig,
+    LoraConfig,
+    SFTConfig,
+    TinyModelConfig,
+    TrainConfig,
+)
 from artrl.model import TrainableModel, TrainResult
 from artrl.tiny import build_tiny_model, ensure_tiny_model
 from artrl.trajectory import Trajectory, TrajectoryGroup
@@ -16,6 +24,7 @@ __all__ = [
     "GatewayConfig",
     "LocalBackend",
     "LoraConfig",
+    "SFTConfig",
     "TinyModelConfig",
     "TrainConfig",
     "TrainResult",

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
-from artrl.config import EngineConfig, GatewayConfig, TrainConfig
+from artrl.config import EngineConfig, GatewayConfig, SFTConfig, TrainConfig
 from artrl.model import TrainableModel, TrainResult
 from artrl.storage import (
     append_history,
@@ -22,7 +23,7 @@ from artrl.storage import (
     repair_history,
     write_trajectories,
 )
-from artrl.trajectory import TrajectoryGroup
+from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artrl.local.service import LocalService
@@ -137,10 +138,48 @@ class LocalBackend:
             else:
                 metrics["optimizer_steps"] = 0
             metrics["step_seconds"] = time.time() - started
-            row = {"step": step, "split": "train", "time": time.time(), **metrics}
-            await asyncio.to_thread(self._save_checkpoint, service, directory, step, row)
-            append_history(directory, row)
+            await self._complete_step(service, directory, step, "train", metrics)
         return TrainResult(step=step, metrics=metrics)
+
+    async def train_sft(
+        self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
+    ) -> TrainResult:
+        from artrl.local.rows import trajectory_rows
+
+        service = self.service(model)
+        assert service.trainer is not None
+        if not trajectories:
+            raise ValueError("train_sft() got no trajectories")
+        directory = self.directory(model)
+        async with self._train_locks[(model.project, model.name)]:
+            per_trajectory = [
+                trajectory_rows(t, i, service.tokenizer, allow_rendered=True)
+                for i, t in enumerate(trajectories)
+            ]
+            too_long = sum(len(r.ids) > service.max_context for rows in per_trajectory for r in rows)
+            per_trajectory = [
+                [r for r in rows if len(r.ids) <= service.max_context] for rows in per_trajectory
+            ]
+            rng = random.Random(config.seed)
+            steps: list[list[Any]] = []
+            for _ in range(config.epochs):
+                order = list(range(len(trajectories)))
+                rng.shuffle(order)
+                for k in range(0, len(order), config.batch_size):
+                    steps.append([r for i in order[k : k + config.batch_size] for r in per_trajectory[i]])
+            step = latest_step(directory) + 1
+            write_trajectories(directory, "sft", step, [TrajectoryGroup(trajectories)])
+            metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
+            metrics.update(await asyncio.to_thread(service.trainer.sft, steps, config))
+            await self._complete_step(service, directory, step, "sft", metrics)
+        return TrainResult(step=step, metrics=metrics)
+
+    async def _complete_step(
+        self, service: LocalService, directory, step: int, split: str, metrics: dict[str, Any]
+    ) -> None:
+        row = {"step": step, "split": split, "time": time.time(), **metrics}
+        await asyncio.to_thread(self._save_checkpoint, service, directory, step, row)
+        append_history(directory, row)
 
     @staticmethod
     def _save_checkpoint(service: LocalService, directory, step: int, history_row: dict[str, Any]) -> None:

@@ -135,3 +135,21 @@ class TrainConfig(_Frozen):
         description="train assistant turns without recorded token ids by rendering them with the chat "
         "template (not token-exact; off by default)",
     )
+
+
+class SFTConfig(_Frozen):
+    """`model.train_sft(trajectories, config=...)`: supervised fine-tuning on assistant tokens only.
+
+    One call = `epochs` shuffled passes over the trajectories in optimizer steps of `batch_size`
+    trajectories each, then one checkpoint (the call is one step of the model's history, split "sft").
+    """
+
+    learning_rate: float = Field(default=1e-3, gt=0)
+    epochs: int = Field(default=1, ge=1)
+    batch_size: int = Field(default=16, ge=1, description="trajectories per optimizer step")
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    max_tokens_per_microbatch: int = Field(default=4096, ge=16)
+    logprob_chunk_size: int = Field(default=512, ge=1)
+    seed: int = 0

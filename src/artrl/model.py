@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from artrl.config import ClientConfig, LoraConfig, TrainConfig
-from artrl.trajectory import TrajectoryGroup
+from artrl.config import ClientConfig, LoraConfig, SFTConfig, TrainConfig
+from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     import openai
@@ -27,6 +27,10 @@ class Backend(Protocol):
 
     async def train(
         self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig
+    ) -> TrainResult: ...
+
+    async def train_sft(
+        self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
     ) -> TrainResult: ...
 
     async def log(
@@ -121,6 +125,11 @@ class TrainableModel(BaseModel):
         next generated token on).
         """
         return await self._require_backend().train(self, list(groups), config or TrainConfig())
+
+    async def train_sft(self, trajectories: list[Trajectory], config: SFTConfig | None = None) -> TrainResult:
+        """Supervised fine-tuning on the assistant tokens of `trajectories` (recorded ids where the gateway
+        sampled them, the chat template's assistant mask otherwise): a warm start before RL."""
+        return await self._require_backend().train_sft(self, list(trajectories), config or SFTConfig())
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
         """Record evaluation rollouts (trajectories + a history row at the current step) without training."""

@@ -93,15 +93,17 @@ def publish_directory(tmp: Path, final: Path) -> None:
 
 
 def repair_history(directory: Path) -> int:
-    """Re-append the train rows of checkpoints whose history line a crash cut off; returns how many."""
+    """Re-append the rows of checkpoints whose history line a crash cut off; returns how many."""
     have = {(row.get("step"), row.get("split")) for row in read_history(directory)}
     checkpoints = directory / "checkpoints"
     missing = []
     if checkpoints.is_dir():
         for folder in sorted(p for p in checkpoints.iterdir() if p.name.isdigit()):
             saved = folder / "history_row.json"
-            if (int(folder.name), "train") not in have and saved.exists():
-                missing.append(json.loads(saved.read_text()))
+            if saved.exists():
+                row = json.loads(saved.read_text())
+                if (row.get("step"), row.get("split")) not in have:
+                    missing.append(row)
     for row in missing:
         append_history(directory, row)
     return len(missing)

@@ -91,3 +91,13 @@ def policy_loss(
             ratio=float((torch.exp(lp - known_mu) * token_weight).sum()),
             mismatch=float(((lp - known_mu).abs() * token_weight).sum()),
         )
+
+
+def sft_loss(
+    lp: torch.Tensor,  # (B, T) current logprobs, with grad
+    mask: torch.Tensor,  # (B, T) float, 1 on assistant tokens
+    weights: torch.Tensor,  # (B,)
+    normaliser: float,  # Σ w·m over the optimizer step
+) -> torch.Tensor:
+    """Supervised fine-tuning: L = -Σ w·m·lp / N (token-level mean negative log-likelihood)."""
+    return -(lp * mask * weights[:, None]).sum() / normaliser  # ()

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from artrl.config import LoraConfig, TrainConfig
+from artrl.config import LoraConfig, SFTConfig, TrainConfig
 from artrl.local.batch import TrainingBatch
-from artrl.local.loss import LossSettings, policy_loss
+from artrl.local.loss import LossSettings, policy_loss, sft_loss
 from artrl.local.pack import MicroBatch, collate, pack
+from artrl.local.rows import Row
 
 
 def attach_adapter(model: Any, lora: LoraConfig | None) -> Any:
@@ -91,37 +92,34 @@ class Trainer:
         self.device = next(model.parameters()).device
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
-        """One optimizer step per `steps_per_call` slice of the rows; returns metrics."""
+        """GRPO: one optimizer step per `steps_per_call` slice of the rows; returns metrics."""
         started = time.perf_counter()
         if config.kl_coef > 0 and not self.has_adapter:
             raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
-        for group in self.optimizer.param_groups:
-            group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
         settings = LossSettings(
             config.loss, config.clip_low, config.clip_high, config.tis_cap, config.kl_coef
         )
+        advantage = dict(zip(map(id, batch.rows), batch.advantages, strict=True))
+
+        def loss_fn(lp, mb, normaliser, totals):
+            lp_ref = None
+            if settings.kl_coef > 0:
+                with torch.no_grad(), self.model.disable_adapter():
+                    lp_ref, _ = token_logprobs(self.model, mb, config.logprob_chunk_size, with_entropy=False)
+            terms = policy_loss(
+                lp, mb.behaviour, mb.advantages, mb.mask, mb.weights, normaliser, settings, lp_ref
+            )
+            totals["clipped"] += terms.clipped_tokens
+            totals["kl"] += terms.kl
+            totals["ratio"] += terms.ratio
+            totals["mismatch"] += terms.mismatch
+            return terms.loss
+
         order = list(range(len(batch.rows)))
-        slices = [order[i :: config.steps_per_call] for i in range(config.steps_per_call)]
-        totals = {
-            "loss": 0.0,
-            "clipped": 0.0,
-            "kl": 0.0,
-            "ratio": 0.0,
-            "mismatch": 0.0,
-            "entropy": 0.0,
-            "weight": 0.0,
-            "grad_norm": 0.0,
-            "optimizer_steps": 0,
-        }
-        with self.weights_lock:
-            self.model.train()
-            try:
-                for indices in slices:
-                    if indices:
-                        self._optimizer_step(batch, indices, config, settings, totals)
-            finally:
-                self.model.eval()
-                self.optimizer.zero_grad(set_to_none=True)
+        slices = [
+            [batch.rows[i] for i in order[k :: config.steps_per_call]] for k in range(config.steps_per_call)
+        ]
+        totals = self._run(slices, lambda row: advantage[id(row)], config, loss_fn)
         weight = totals["weight"] or 1.0
         return {
             "loss": totals["loss"],
@@ -135,38 +133,57 @@ class Trainer:
             "train_seconds": time.perf_counter() - started,
         }
 
+    def sft(self, steps: list[list[Row]], config: SFTConfig) -> dict[str, float]:
+        """Supervised fine-tuning: one optimizer step per list of rows; returns metrics."""
+        started = time.perf_counter()
+
+        def loss_fn(lp, mb, normaliser, totals):
+            return sft_loss(lp, mb.mask, mb.weights, normaliser)
+
+        totals = self._run(steps, lambda row: 0.0, config, loss_fn)
+        steps_done = totals["optimizer_steps"] or 1
+        return {
+            "loss": totals["loss"] / steps_done,  # mean over optimizer steps of the token-mean NLL
+            "entropy": totals["entropy"] / (totals["weight"] or 1.0),
+            "grad_norm": totals["grad_norm"],
+            "optimizer_steps": totals["optimizer_steps"],
+            "trainable_tokens": sum(r.trainable_tokens for rows in steps for r in rows),
+            "train_seconds": time.perf_counter() - started,
+        }
+
+    def _run(
+        self, steps: list[list[Row]], advantage_of, config: TrainConfig | SFTConfig, loss_fn
+    ) -> dict[str, float]:
+        """Optimizer steps over `steps` (each a list of rows), under the engine's weights lock."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
+        totals = dict.fromkeys(
+            ("loss", "clipped", "kl", "ratio", "mismatch", "entropy", "weight", "grad_norm"), 0.0
+        )
+        totals["optimizer_steps"] = 0
+        with self.weights_lock:
+            self.model.train()
+            try:
+                for rows in steps:
+                    if rows:
+                        self._optimizer_step(rows, advantage_of, config, loss_fn, totals)
+            finally:
+                self.model.eval()
+                self.optimizer.zero_grad(set_to_none=True)
+        return totals
+
     def _optimizer_step(
-        self,
-        batch: TrainingBatch,
-        indices: list[int],
-        config: TrainConfig,
-        settings: LossSettings,
-        totals: dict[str, float],
+        self, rows: list[Row], advantage_of, config, loss_fn, totals: dict[str, float]
     ) -> None:
-        rows = [batch.rows[i] for i in indices]
         normaliser = sum(r.weight * (r.trainable_tokens - r.mask[0]) for r in rows)  # targets = positions 1..
         for micro in pack(rows, config.max_tokens_per_microbatch):
-            mb = collate(
-                [rows[i] for i in micro],
-                [batch.advantages[indices[i]] for i in micro],
-                self.device,
-                self.pad_id,
-            )
+            chosen = [rows[i] for i in micro]
+            mb = collate(chosen, [advantage_of(r) for r in chosen], self.device, self.pad_id)
             lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
-            lp_ref = None
-            if settings.kl_coef > 0:
-                with torch.no_grad(), self.model.disable_adapter():
-                    lp_ref, _ = token_logprobs(self.model, mb, config.logprob_chunk_size, with_entropy=False)
-            terms = policy_loss(
-                lp, mb.behaviour, mb.advantages, mb.mask, mb.weights, normaliser, settings, lp_ref
-            )
-            terms.loss.backward()
+            loss = loss_fn(lp, mb, normaliser, totals)
+            loss.backward()
             token_weight = mb.mask * mb.weights[:, None]  # (B, T-1)
-            totals["loss"] += float(terms.loss.detach())
-            totals["clipped"] += terms.clipped_tokens
-            totals["kl"] += terms.kl
-            totals["ratio"] += terms.ratio
-            totals["mismatch"] += terms.mismatch
+            totals["loss"] += float(loss.detach())
             totals["entropy"] += float((entropy * token_weight).sum())
             totals["weight"] += float(token_weight.sum())
         max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")

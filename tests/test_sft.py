@@ -1,0 +1,92 @@
+"""Supervised warm start: `model.train_sft` on assistant tokens only, same rows and storage as RL."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import artrl
+import artrl.storage
+from artrl.local.pack import collate
+from artrl.local.rows import trajectory_rows
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"item": {"type": "string"}}},
+        },
+    }
+]
+ITEMS = ["apple", "pear", "fig", "plum", "kiwi", "lime", "date"]
+
+
+def transcript(item: str, i: int) -> artrl.Trajectory:
+    call = {
+        "id": f"c{i}",
+        "type": "function",
+        "function": {"name": "lookup", "arguments": f'{{"item": "{item}"}}'},
+    }
+    return artrl.Trajectory(
+        messages_and_choices=[
+            {"role": "user", "content": f"How many {item}s?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": f"{item}: {i}"},
+            {"role": "assistant", "content": f"There are {i}."},
+        ],
+        tools=TOOLS,
+    )
+
+
+def dataset(n: int) -> list[artrl.Trajectory]:
+    return [transcript(random.Random(i).choice(ITEMS), i % 50) for i in range(n)]
+
+
+def mean_assistant_logprob(service, trajectories) -> float:
+    rows = [r for i, t in enumerate(trajectories) for r in trajectory_rows(t, i, service.tokenizer, True)]
+    batch = collate(rows, [0.0] * len(rows), torch.device("cpu"), service.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = service.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, batch.ids[:, 1:, None])[..., 0]  # (B, T-1)
+    return float((lp * batch.mask).sum() / batch.mask.sum())
+
+
+async def test_sft_raises_the_likelihood_of_assistant_tokens_and_is_a_step(tiny_model_dir, tmp_path):
+    async with artrl.LocalBackend(path=tmp_path) as backend:
+        model = artrl.TrainableModel(name="sft", project="t", base_model=str(tiny_model_dir), lora=None)
+        await model.register(backend)
+        data = dataset(64)
+        before = mean_assistant_logprob(backend.service(model), data[:8])
+        prompt_weights = backend.service(model).model.get_input_embeddings().weight.detach().clone()
+        result = await model.train_sft(data, artrl.SFTConfig(learning_rate=3e-3, epochs=2, batch_size=16))
+        after = mean_assistant_logprob(backend.service(model), data[:8])
+        assert result.step == 1 and result.metrics["optimizer_steps"] == 8
+        assert after > before + 1.0, (before, after)
+        assert not torch.equal(prompt_weights, backend.service(model).model.get_input_embeddings().weight)
+        history = artrl.storage.read_history(tmp_path / "t" / "sft")
+        assert [(h["step"], h["split"]) for h in history] == [(1, "sft")]
+        assert (tmp_path / "t" / "sft" / "trajectories" / "sft" / "0001.jsonl").exists()
+        assert (tmp_path / "t" / "sft" / "checkpoints" / "0001" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+async def test_warm_started_tiny_model_calls_the_tool(tiny_model_dir, tmp_path):
+    async with artrl.LocalBackend(path=tmp_path) as backend:
+        model = artrl.TrainableModel(name="warm", project="t", base_model=str(tiny_model_dir), lora=None)
+        await model.register(backend)
+        await model.train_sft(dataset(256), artrl.SFTConfig(learning_rate=3e-3, epochs=4, batch_size=16))
+        client = model.openai_client()
+        for item in ("apple", "kiwi"):
+            response = await client.chat.completions.create(
+                model=model.name,
+                messages=[{"role": "user", "content": f"How many {item}s?"}],
+                tools=TOOLS,
+                temperature=0,
+                max_tokens=40,
+            )
+            choice = response.choices[0]
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.tool_calls[0].function.arguments == f'{{"item": "{item}"}}'
