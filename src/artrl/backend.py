@@ -134,7 +134,7 @@ class LocalBackend:
             started = time.time()
             metrics = dict(batch.metrics)
             if batch.rows:
-                metrics.update(await asyncio.to_thread(service.trainer.step, batch, config))
+                metrics.update(await service.run_exclusive(lambda: service.trainer.step(batch, config)))
             else:
                 metrics["optimizer_steps"] = 0
             metrics["step_seconds"] = time.time() - started
@@ -170,7 +170,7 @@ class LocalBackend:
             step = latest_step(directory) + 1
             write_trajectories(directory, "sft", step, [TrajectoryGroup(trajectories)])
             metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
-            metrics.update(await asyncio.to_thread(service.trainer.sft, steps, config))
+            metrics.update(await service.run_exclusive(lambda: service.trainer.sft(steps, config)))
             await self._complete_step(service, directory, step, "sft", metrics)
         return TrainResult(step=step, metrics=metrics)
 
@@ -178,7 +178,7 @@ class LocalBackend:
         self, service: LocalService, directory, step: int, split: str, metrics: dict[str, Any]
     ) -> None:
         row = {"step": step, "split": split, "time": time.time(), **metrics}
-        await asyncio.to_thread(self._save_checkpoint, service, directory, step, row)
+        await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
         append_history(directory, row)
 
     @staticmethod
@@ -192,6 +192,18 @@ class LocalBackend:
         service.trainer.save(str(tmp))
         atomic_write_json(tmp / "history_row.json", history_row)
         publish_directory(tmp, final)
+
+    async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:
+        """Write the current weights as a Hugging Face folder with the tokenizer: a full model after full
+        fine-tuning (usable as `base_model=`), or a PEFT adapter folder (referencing its base) with LoRA."""
+        service = self.service(model)
+        assert service.trainer is not None
+
+        def write() -> None:
+            service.model.save_pretrained(directory)
+            service.tokenizer.save_pretrained(directory)
+
+        await service.run_exclusive(write)
 
     async def log(self, model: TrainableModel, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
         directory = self.directory(model)

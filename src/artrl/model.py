@@ -131,6 +131,13 @@ class TrainableModel(BaseModel):
         sampled them, the chat template's assistant mask otherwise): a warm start before RL."""
         return await self._require_backend().train_sft(self, list(trajectories), config or SFTConfig())
 
+    async def export(self, directory: str) -> None:
+        """Save the current weights + tokenizer as a Hugging Face folder (see LocalBackend.export)."""
+        export = getattr(self._require_backend(), "export", None)
+        if export is None:
+            raise NotImplementedError("this backend cannot export weights")
+        await export(self, directory)
+
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
         """Record evaluation rollouts (trajectories + a history row at the current step) without training."""
         if not _SAFE_NAME.match(split):

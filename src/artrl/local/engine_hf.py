@@ -3,8 +3,9 @@
 One engine thread owns the model while generating. Each iteration it (1) admits the requests that arrived
 since the last iteration (a batched, left-padded prefill), merges their KV cache into the running batch,
 then (2) decodes one token for every running sequence. A request never waits for an unrelated long one:
-it joins the running batch at the next token step. The same model object is what the trainer updates;
-`weights_lock` is held for every forward pass, so a trainer that takes it runs between two token steps.
+it joins the running batch at the next token step. The same model object is what the trainer updates,
+and training runs *on this thread* too (`call`): between two token steps, with one OpenMP thread pool and
+one allocator arena for everything that computes, so generation and training never contend for the model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import inspect
 import logging
 import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -48,6 +52,12 @@ class _Request:
 
 
 @dataclass
+class _Job:
+    fn: Callable[[], Any]
+    future: Future
+
+
+@dataclass
 class _Batch:
     """Running sequences and their left-padded KV cache. Row i of every tensor belongs to sequences[i]."""
 
@@ -73,9 +83,9 @@ class HFEngine:
         self.model = model
         self._max_context = max_context
         self._max_batch_size = max_batch_size
-        self.weights_lock = threading.RLock()
-        self._incoming: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._incoming: queue.SimpleQueue[_Request | _Job | None] = queue.SimpleQueue()
         self._pending: list[_Request] = []
+        self._jobs: list[_Job] = []
         self._batch = _Batch()
         self._closed = False
         self._device = next(model.parameters()).device
@@ -108,6 +118,14 @@ class HFEngine:
         self._incoming.put(_Request(list(prompt_ids), sequences))
         return [s.stream for s in sequences]
 
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the engine thread between two token steps (e.g. a training step); returns its future."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        job = _Job(fn, Future())
+        self._incoming.put(job)
+        return job.future
+
     async def close(self) -> None:
         self._closed = True
         self._incoming.put(None)
@@ -118,7 +136,8 @@ class HFEngine:
         while not self._closed:
             try:
                 self._collect_requests(block=not self._batch.sequences)
-                with self.weights_lock, torch.inference_mode():
+                self._run_jobs()
+                with torch.inference_mode():
                     self._admit()
                     self._drop_finished()
                     if self._batch.sequences:
@@ -128,6 +147,17 @@ class HFEngine:
                 log.exception("engine step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
         self._fail_all("engine closed", reason="abort")
+        for job in self._jobs:
+            job.future.set_exception(RuntimeError("engine closed"))
+
+    def _run_jobs(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            if job.future.set_running_or_notify_cancel():
+                try:
+                    job.future.set_result(job.fn())
+                except BaseException as exc:  # delivered to the caller
+                    job.future.set_exception(exc)
 
     def _collect_requests(self, block: bool) -> None:
         try:
@@ -135,7 +165,7 @@ class HFEngine:
         except queue.Empty:
             return
         while item is not None:
-            self._pending.append(item)
+            (self._jobs if isinstance(item, _Job) else self._pending).append(item)
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:

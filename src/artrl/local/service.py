@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig
 from artrl.local.engine import Engine
@@ -15,6 +17,8 @@ from artrl.local.gateway.serving import ChatServing
 from artrl.local.loading import context_length, end_of_turn_ids, load_model_and_tokenizer
 from artrl.local.server import GatewayServer
 from artrl.local.trainer import Trainer, attach_adapter
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,11 +51,11 @@ class LocalService:
         )
         model = attach_adapter(model, lora)
         model.eval()
-        max_context = context_length(model, engine_config)
-        engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
-        trainer = Trainer(model, engine.weights_lock, pad_id=tokenizer.pad_token_id or 0)
+        trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
         if resume_from is not None:
             trainer.load(str(resume_from))
+        max_context = context_length(model, engine_config)
+        engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
         service = cls.serve(served_name, model, tokenizer, engine, engine_config, gateway_config)
         service.trainer = trainer
         return service
@@ -83,6 +87,12 @@ class LocalService:
         server = GatewayServer(app, gateway_config.host, gateway_config.port)
         server.start(gateway_config.startup_timeout_s)
         return cls(model, tokenizer, engine, server, max_context=engine.max_context)
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run fn where nothing else touches the weights: on the embedded engine's thread, between token steps."""
+        if not isinstance(self.engine, HFEngine):
+            raise RuntimeError("training needs the embedded engine")
+        return await asyncio.wrap_future(self.engine.call(fn))
 
     async def close(self) -> None:
         self.server.stop()

@@ -1,14 +1,13 @@
 """GRPO updates of the weights the engine serves: one model object, one copy of the base weights.
 
 The LoRA adapter (or, for small models, every weight) is trained in place on the model that the embedded
-engine generates with. A training step holds the engine's `weights_lock`: generation pauses between two
-token steps, and the next token is sampled from the updated weights.
+engine generates with. The backend runs each training call on the engine's own thread (`HFEngine.call`):
+generation pauses between two token steps, and the next token is sampled from the updated weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any
 
@@ -48,39 +47,46 @@ def _inner(model: Any) -> Any:
 def token_logprobs(
     model: Any, batch: MicroBatch, chunk: int, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(token t+1 | tokens ≤ t) and the entropy of that distribution, both (B, T-1).
+    """log π(token t+1 | tokens ≤ t) and that distribution's entropy, (B, T-1) each, at the positions whose
+    target is trainable (`batch.mask`; 0 elsewhere).
 
-    The lm_head runs on `chunk` positions at a time under activation checkpointing, so the full
-    (B, T, vocab) logits never exist at once, in the forward pass or the backward pass.
+    Only those positions go through the lm_head, `chunk` at a time; with more than one chunk each runs
+    under activation checkpointing, so the (positions x vocab) logits never exist at once, forward or
+    backward.
     """
     inner = _inner(model)
     hidden = inner.get_decoder()(
         input_ids=batch.ids, attention_mask=batch.attention
     ).last_hidden_state  # (B,T,H)
     head = inner.get_output_embeddings()
-    hidden, targets = hidden[:, :-1], batch.ids[:, 1:]  # (B, T-1, H), (B, T-1)
+    where = batch.mask.nonzero(as_tuple=True)  # ((N,), (N,)) trainable target positions
+    picked_hidden = hidden[:, :-1][where]  # (N, H)
+    targets = batch.ids[:, 1:][where]  # (N,)
 
     def piece(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax(head(h).float(), dim=-1)  # (B, c, V)
-        picked = logp.gather(-1, y[..., None])[..., 0]  # (B, c)
-        entropy = (
-            -(logp.exp() * logp).sum(-1).detach() if with_entropy else torch.zeros_like(picked)
-        )  # (B, c)
+        logp = torch.log_softmax(head(h).float(), dim=-1)  # (c, V)
+        picked = logp.gather(-1, y[:, None])[:, 0]  # (c,)
+        entropy = -(logp.exp() * logp).sum(-1).detach() if with_entropy else torch.zeros_like(picked)  # (c,)
         return picked, entropy
 
+    recompute = torch.is_grad_enabled() and len(targets) > chunk
     parts = [
-        checkpoint(piece, hidden[:, s : s + chunk], targets[:, s : s + chunk], use_reentrant=False)
-        if torch.is_grad_enabled()
-        else piece(hidden[:, s : s + chunk], targets[:, s : s + chunk])
-        for s in range(0, hidden.shape[1], chunk)
+        checkpoint(piece, picked_hidden[s : s + chunk], targets[s : s + chunk], use_reentrant=False)
+        if recompute
+        else piece(picked_hidden[s : s + chunk], targets[s : s + chunk])
+        for s in range(0, len(targets), chunk)
     ]
-    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    lp = torch.cat([p[0] for p in parts]) if parts else hidden.new_zeros(0)  # (N,)
+    entropy = torch.cat([p[1] for p in parts]) if parts else hidden.new_zeros(0)  # (N,)
+    shape = batch.mask.shape  # (B, T-1)
+    full_lp = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put(where, lp)  # (B, T-1)
+    full_entropy = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put(where, entropy)  # (B, T-1)
+    return full_lp, full_entropy
 
 
 class Trainer:
-    def __init__(self, model: Any, weights_lock: threading.RLock, pad_id: int) -> None:
+    def __init__(self, model: Any, pad_id: int) -> None:
         self.model = model
-        self.weights_lock = weights_lock
         self.pad_id = pad_id
         from peft import PeftModel
 
@@ -154,22 +160,21 @@ class Trainer:
     def _run(
         self, steps: list[list[Row]], advantage_of, config: TrainConfig | SFTConfig, loss_fn
     ) -> dict[str, float]:
-        """Optimizer steps over `steps` (each a list of rows), under the engine's weights lock."""
+        """Optimizer steps over `steps` (each a list of rows); call it on the engine thread."""
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
         totals = dict.fromkeys(
             ("loss", "clipped", "kl", "ratio", "mismatch", "entropy", "weight", "grad_norm"), 0.0
         )
         totals["optimizer_steps"] = 0
-        with self.weights_lock:
-            self.model.train()
-            try:
-                for rows in steps:
-                    if rows:
-                        self._optimizer_step(rows, advantage_of, config, loss_fn, totals)
-            finally:
-                self.model.eval()
-                self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        try:
+            for rows in steps:
+                if rows:
+                    self._optimizer_step(rows, advantage_of, config, loss_fn, totals)
+        finally:
+            self.model.eval()
+            self.optimizer.zero_grad(set_to_none=True)
         return totals
 
     def _optimizer_step(
@@ -195,23 +200,21 @@ class Trainer:
     # ---------------------------------------------------------------- persistence
     def save(self, directory: str) -> None:
         """Adapter (PEFT format) or full weights, plus the optimizer state, into `directory`."""
-        with self.weights_lock:
-            self.model.save_pretrained(directory)
-            torch.save(self.optimizer.state_dict(), f"{directory}/optimizer.pt")
+        self.model.save_pretrained(directory)
+        torch.save(self.optimizer.state_dict(), f"{directory}/optimizer.pt")
 
     def load(self, directory: str) -> None:
         from safetensors.torch import load_file
 
-        with self.weights_lock:
-            if self.has_adapter:
-                from peft import set_peft_model_state_dict
+        if self.has_adapter:
+            from peft import set_peft_model_state_dict
 
-                state = load_file(f"{directory}/adapter_model.safetensors", device=str(self.device))
-                result = set_peft_model_state_dict(self.model, state)
-                if getattr(result, "unexpected_keys", None):
-                    raise ValueError(
-                        f"checkpoint {directory} does not fit this adapter: {result.unexpected_keys}"
-                    )
-            optimizer_file = f"{directory}/optimizer.pt"
-            with contextlib.suppress(FileNotFoundError):
-                self.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device))
+            state = load_file(f"{directory}/adapter_model.safetensors", device=str(self.device))
+            result = set_peft_model_state_dict(self.model, state)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(
+                    f"checkpoint {directory} does not fit this adapter: {result.unexpected_keys}"
+                )
+        optimizer_file = f"{directory}/optimizer.pt"
+        with contextlib.suppress(FileNotFoundError):
+            self.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device))
