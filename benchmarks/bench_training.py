@@ -715,15 +715,11 @@ def section(
         "training; the largest over the rounds); *growth* = that peak minus the peak before the first step "
         "(generation and training; torch's first forward pass with gradients alone adds a few hundred MiB "
         "on the `small` model in either framework)",
-        "- Known effects in artrl's figures (measured separately on `small`, same batch, `Trainer.step` "
-        "called directly): (1) alone in a process the step takes ~0.61 s, like TRL's update; while the engine "
-        "thread is alive after generating, ~0.75 s: every live thread that has run torch ops keeps its own "
-        "OpenMP team, and with more OpenMP threads than CPUs libgomp throttles its spin-waiting (a plain "
-        "thread that ran HF inference and stays alive does the same; closing the engine restores ~0.61 s). "
-        "(2) `LocalBackend.train` runs the trainer via `asyncio.to_thread`: a step that lands on an executor "
-        "thread that has not trained before gets a fresh glibc malloc arena and pays page faults (~2x the "
-        "step time: the 1.5-1.8 s outliers on `small`) and ~0.5 GiB more RSS; MALLOC_ARENA_MAX=1 "
-        "(`--malloc-arena-max 1`, applied to both frameworks) removes this part",
+        "- artrl runs its training step on the engine's own thread (`HFEngine.call`) and sends only "
+        "trainable positions through the lm_head. Before that change (same benchmark, 2026-11-30 01:37 UTC) "
+        "artrl was 0.79x (tiny) and 0.95x (small) of TRL: training on an `asyncio.to_thread` worker gave a "
+        "second OpenMP team next to the engine thread's (libgomp throttles spin-waiting when threads exceed "
+        "CPUs) and a fresh glibc arena per new worker (~2x outlier steps, +0.5 GiB RSS)",
         f"- Medians over the measured steps; the first {args.warmup} step(s) of each subprocess are warm-up "
         "and dropped",
         f"- Command: `{command_line()}`",
