@@ -150,3 +150,10 @@ async def test_concurrent_multi_turn_agents_record_trajectories(served):
         for before, after in itertools.pairwise(choices):
             prefix = before.prompt_token_ids + before.token_ids
             assert after.prompt_token_ids[: len(prefix)] == prefix
+
+
+async def test_idle_connections_outlive_the_clients_own_expiry(served):
+    """The server must keep idle connections longer than HTTP clients do (httpx drops them after 5 s);
+    otherwise a request sent just as the server closes its side is lost and the client waits for its
+    timeout (seen as a 10-minute hang in a training loop)."""
+    assert served._backend.service(served).server.keep_alive_s >= 30

@@ -75,6 +75,12 @@ class GatewayConfig(_Frozen):
         default=20_000, ge=0, description="completions remembered for token-exact continuation (LRU)"
     )
     startup_timeout_s: float = Field(default=60.0, gt=0)
+    keep_alive_s: float = Field(
+        default=75.0,
+        gt=0,
+        description="idle keep-alive connections are closed after this; it must exceed HTTP clients' own idle "
+        "expiry (httpx: 5 s) or a request sent as the server closes the connection is lost",
+    )
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
 
 

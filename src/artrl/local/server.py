@@ -14,16 +14,26 @@ import uvicorn
 
 
 class GatewayServer:
-    def __init__(self, app, host: str, port: int) -> None:
+    def __init__(self, app, host: str, port: int, keep_alive_s: float = 75.0) -> None:
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=keep_alive_s,
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, name="artrl-gateway", daemon=True
         )
+
+    @property
+    def keep_alive_s(self) -> float:
+        return self._server.config.timeout_keep_alive
 
     @property
     def base_url(self) -> str:

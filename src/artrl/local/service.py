@@ -84,7 +84,7 @@ class LocalService:
         app = create_app(
             serving, api_key=gateway_config.api_key, max_request_bytes=gateway_config.max_request_bytes
         )
-        server = GatewayServer(app, gateway_config.host, gateway_config.port)
+        server = GatewayServer(app, gateway_config.host, gateway_config.port, gateway_config.keep_alive_s)
         server.start(gateway_config.startup_timeout_s)
         return cls(model, tokenizer, engine, server, max_context=engine.max_context)
 
