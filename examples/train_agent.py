@@ -46,7 +46,7 @@ async def warm_start(backend: artrl.LocalBackend, base_model: str, args: argpars
     """SFT on weak transcripts; the result is cached as a model folder keyed by its inputs."""
     config = artrl.SFTConfig(learning_rate=args.sft_lr, epochs=args.sft_epochs, batch_size=16, seed=0)
     key = hashlib.sha256(
-        json.dumps([base_model, args.sft_examples, config.model_dump()]).encode()
+        json.dumps([base_model, args.sft_examples, args.warm_skill, config.model_dump()]).encode()
     ).hexdigest()[:12]
     folder = Path(args.path) / "models" / f"weather-warm-{key}"
     if (folder / "config.json").exists():
@@ -55,7 +55,8 @@ async def warm_start(backend: artrl.LocalBackend, base_model: str, args: argpars
     await model.register(backend)
     rng = random.Random(0)
     transcripts = [
-        env.weak_transcript(s, rng, i) for i, s in enumerate(env.scenarios("train", args.sft_examples, 0))
+        env.weak_transcript(s, rng, i, args.warm_skill)
+        for i, s in enumerate(env.scenarios("train", args.sft_examples, 0))
     ]
     result = await model.train_sft(transcripts, config)
     tmp = folder.with_name(folder.name + ".tmp")
@@ -191,6 +192,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-examples", type=int, default=2048)
     parser.add_argument("--sft-epochs", type=int, default=3)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--warm-skill",
+        type=float,
+        default=0.0,
+        help="how often the scripted warm-start policy looks up a requested city (0 = a random one)",
+    )
     parser.add_argument("--path", default=".artrl")
     parser.add_argument("--out", default="demo_output")
     return parser.parse_args(argv)

@@ -120,11 +120,19 @@ async def rollout(
     return traj
 
 
-def weak_transcript(scenario: Scenario, rng: random.Random, index: int) -> artrl.Trajectory:
-    """A scripted, weak policy for the warm start: well-formed calls to 2-3 *random* cities, then an answer
-    restating what it looked up. It teaches the format, not the task."""
+def weak_transcript(
+    scenario: Scenario, rng: random.Random, index: int, skill: float = 0.0
+) -> artrl.Trajectory:
+    """A scripted, weak policy for the warm start: well-formed calls to 2-3 cities, each the next requested
+    city with probability `skill` and a random other city otherwise, then an answer restating what it
+    looked up. With low skill it teaches the format, not the task."""
     traj = start(scenario)
-    looked = rng.sample(CITIES, rng.choice([2, 3]))
+    wanted = [scenario.first, scenario.second]
+    looked: list[str] = []
+    for _ in range(rng.choice([2, 3])):
+        needed = [c for c in wanted if c not in looked]
+        others = [c for c in CITIES if c not in looked and c not in needed]
+        looked.append(needed[0] if needed and rng.random() < skill else rng.choice(others or needed))
     for k, city in enumerate(looked):
         call_id = f"call_{index}_{k}"
         traj.messages_and_choices.append(
