@@ -124,15 +124,15 @@ def weak_transcript(
     scenario: Scenario, rng: random.Random, index: int, skill: float = 0.0
 ) -> artrl.Trajectory:
     """A scripted, weak policy for the warm start: well-formed calls to 2-3 cities, each the next requested
-    city with probability `skill` and a random other city otherwise, then an answer restating what it
+    city with probability `skill` and a uniformly random not-yet-seen city otherwise, then an answer restating what it
     looked up. With low skill it teaches the format, not the task."""
     traj = start(scenario)
     wanted = [scenario.first, scenario.second]
     looked: list[str] = []
     for _ in range(rng.choice([2, 3])):
         needed = [c for c in wanted if c not in looked]
-        others = [c for c in CITIES if c not in looked and c not in needed]
-        looked.append(needed[0] if needed and rng.random() < skill else rng.choice(others or needed))
+        unseen = [c for c in CITIES if c not in looked]
+        looked.append(needed[0] if needed and rng.random() < skill else rng.choice(unseen))
     for k, city in enumerate(looked):
         call_id = f"call_{index}_{k}"
         traj.messages_and_choices.append(
