@@ -110,7 +110,7 @@ async def main(args: argparse.Namespace) -> dict:
         name = f"weather-seed{args.seed}-{int(time.time())}"
         model = artrl.TrainableModel(name=name, project="weather", base_model=warm, lora=None)
         await model.register(backend)
-        val = env.scenarios("val", args.val_size, 0)
+        val = env.scenarios("val", args.val_size, 0, held_out_pairs=args.val_pairs == "held-out")
         t = time.perf_counter()
         before = await evaluate(model, val)
         timings["validation"] = time.perf_counter() - t
@@ -159,7 +159,7 @@ async def main(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(history, val_points, out / f"reward_curve_seed{args.seed}.png", f"weather agent, seed {args.seed}")
-    print(f"\n{'validation (' + str(len(val)) + ' held-out scenarios)':<40}{'before':>10}{'after':>10}")
+    print(f"\n{f'validation ({len(val)} scenarios, {args.val_pairs} pairs)':<40}{'before':>10}{'after':>10}")
     for key in ("success", "reward", "calls"):
         print(f"{key:<40}{before[key]:>10.2f}{after[key]:>10.2f}")
     print(f"\ntime: total {total:.0f} s = " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
@@ -189,6 +189,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--val-size", type=int, default=96)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument(
+        "--val-pairs",
+        choices=["held-out", "seen"],
+        default="held-out",
+        help="validate on city pairs training never asks about, or on new scenarios of the training pairs",
+    )
     parser.add_argument("--sft-examples", type=int, default=2048)
     parser.add_argument("--sft-epochs", type=int, default=3)
     parser.add_argument("--sft-lr", type=float, default=3e-3)

@@ -48,8 +48,10 @@ class Scenario:
         return f"Temperature in {self.first} and {self.second}?"
 
 
-def scenarios(split: str, n: int, seed: int) -> list[Scenario]:
-    pairs = TRAIN_PAIRS if split == "train" else VAL_PAIRS
+def scenarios(split: str, n: int, seed: int, held_out_pairs: bool = True) -> list[Scenario]:
+    """Scenarios of a split. Validation draws its own scenarios (never training's) from the held-out city
+    pairs, or from the training pairs with `held_out_pairs=False` (learning vs generalising)."""
+    pairs = TRAIN_PAIRS if split == "train" or not held_out_pairs else VAL_PAIRS
     rng = random.Random(f"{split}-{seed}")
     return [Scenario(*rng.choice(pairs), tuple(rng.randrange(0, 40) for _ in CITIES)) for _ in range(n)]
 
