@@ -2,9 +2,9 @@
 
     python examples/train_agent.py [--base-model DIR_OR_HUB_ID] [--seed 0] [--steps N]
 
-1. warm start (cached): supervised fine-tuning on transcripts of a *weak* scripted policy (well-formed
-   calls to random cities) — the model learns the format, not the task;
-2. validation before training (held-out city pairs);
+1. warm start (cached): supervised fine-tuning on transcripts of a random walker (well-formed `move`
+   calls in random directions) — the model learns the format, not the task;
+2. validation before training (mazes that training never sees);
 3. GRPO for N steps (groups of rollouts per scenario, one optimizer step each), with a live progress bar;
 4. validation after; a reward-curve PNG and a before/after table.
 The same script serves any Hugging Face chat model with --base-model.
@@ -16,17 +16,21 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import random
 import sys
 import time
 from pathlib import Path
+
+# one live bar (GRPO's): no per-checkpoint "Writing model shards" bars from transformers
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from tqdm import tqdm
 
 import artrl
 
 sys.path.insert(0, str(Path(__file__).parent))
-import weather_env as env
+import maze_env as env
 
 
 async def evaluate(model: artrl.TrainableModel, scenarios: list[env.Scenario]) -> dict[str, float]:
@@ -38,7 +42,7 @@ async def evaluate(model: artrl.TrainableModel, scenarios: list[env.Scenario]) -
     return {
         "success": sum(t.metrics["success"] for t in trajectories) / n,
         "reward": sum(t.reward for t in trajectories) / n,
-        "calls": sum(t.metrics["calls"] for t in trajectories) / n,
+        "moves": sum(t.metrics["moves"] for t in trajectories) / n,
     }
 
 
@@ -48,10 +52,10 @@ async def warm_start(backend: artrl.LocalBackend, base_model: str, args: argpars
     key = hashlib.sha256(
         json.dumps([base_model, args.sft_examples, args.warm_skill, config.model_dump()]).encode()
     ).hexdigest()[:12]
-    folder = Path(args.path) / "models" / f"weather-warm-{key}"
+    folder = Path(args.path) / "models" / f"maze-warm-{key}"
     if (folder / "config.json").exists():
         return str(folder)
-    model = artrl.TrainableModel(name=f"warm-{key}", project="weather", base_model=base_model, lora=None)
+    model = artrl.TrainableModel(name=f"warm-{key}", project="maze", base_model=base_model, lora=None)
     await model.register(backend)
     rng = random.Random(0)
     transcripts = [
@@ -107,10 +111,10 @@ async def main(args: argparse.Namespace) -> dict:
         warm = await warm_start(backend, base_model, args)
         timings["warm_start"] = time.perf_counter() - t
 
-        name = f"weather-seed{args.seed}-{int(time.time())}"
-        model = artrl.TrainableModel(name=name, project="weather", base_model=warm, lora=None)
+        name = f"maze-seed{args.seed}-{int(time.time())}"
+        model = artrl.TrainableModel(name=name, project="maze", base_model=warm, lora=None)
         await model.register(backend)
-        val = env.scenarios("val", args.val_size, 0, held_out_pairs=args.val_pairs == "held-out")
+        val = env.scenarios("val", args.val_size, 0)
         t = time.perf_counter()
         before = await evaluate(model, val)
         timings["validation"] = time.perf_counter() - t
@@ -158,9 +162,9 @@ async def main(args: argparse.Namespace) -> dict:
     total = time.perf_counter() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot(history, val_points, out / f"reward_curve_seed{args.seed}.png", f"weather agent, seed {args.seed}")
-    print(f"\n{f'validation ({len(val)} scenarios, {args.val_pairs} pairs)':<40}{'before':>10}{'after':>10}")
-    for key in ("success", "reward", "calls"):
+    plot(history, val_points, out / f"reward_curve_seed{args.seed}.png", f"maze agent, seed {args.seed}")
+    print(f"\n{f'validation ({len(val)} unseen mazes)':<40}{'before':>10}{'after':>10}")
+    for key in ("success", "reward", "moves"):
         print(f"{key:<40}{before[key]:>10.2f}{after[key]:>10.2f}")
     print(f"\ntime: total {total:.0f} s = " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
     print(f"curve: {out / f'reward_curve_seed{args.seed}.png'}")
@@ -189,20 +193,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--val-size", type=int, default=96)
     parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument(
-        "--val-pairs",
-        choices=["held-out", "seen"],
-        default="held-out",
-        help="validate on city pairs training never asks about, or on new scenarios of the training pairs",
-    )
     parser.add_argument("--sft-examples", type=int, default=2048)
-    parser.add_argument("--sft-epochs", type=int, default=3)
+    parser.add_argument("--sft-epochs", type=int, default=4)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument(
         "--warm-skill",
         type=float,
-        default=0.0,
-        help="how often the scripted warm-start policy looks up a requested city (0 = a random one)",
+        default=0.5,
+        help="how often the warm-start walker goes toward the breeze (otherwise it goes away from it)",
     )
     parser.add_argument("--path", default=".artrl")
     parser.add_argument("--out", default="demo_output")

@@ -215,7 +215,7 @@ async def test_invalid_tool_call_stays_content(scripted, tokenizer):
 
 async def test_forced_tool_choice_is_prompt_not_sample(scripted, tokenizer):
     engine, base_url = scripted
-    engine.scripts = [encode(tokenizer, '{"key": "fig"}}\n</tool_call><|im_end|>')]
+    engine.scripts = [encode(tokenizer, ' {"key": "fig"}}\n</tool_call><|im_end|>')]
     client = openai.AsyncOpenAI(base_url=base_url, api_key="x", timeout=30)
     choice = (
         await client.chat.completions.create(
@@ -225,7 +225,23 @@ async def test_forced_tool_choice_is_prompt_not_sample(scripted, tokenizer):
             tool_choice={"type": "function", "function": {"name": "lookup"}},
         )
     ).choices[0]
-    forced = '<tool_call>\n{"name": "lookup", "arguments": '
+    forced = '<tool_call>\n{"name": "lookup", "arguments":'
     assert tokenizer.decode(choice.prompt_token_ids).endswith("<|im_start|>assistant\n" + forced)
     assert choice.message.tool_calls[0].function.name == "lookup"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"key": "fig"}
+    # the forced prefix ends on a token boundary of the rendered call: prompt + sample tokenize like the
+    # rendering (a trailing space would split ' {"' into ' ' + '{"', a sequence the model never sees)
+    call = {"name": "lookup", "arguments": '{"key": "fig"}'}
+    rendered = tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "a", "type": "function", "function": call}],
+            },
+        ],
+        tools=TOOLS,
+        tokenize=False,
+    )
+    assert choice.prompt_token_ids + choice.token_ids == encode(tokenizer, rendered.removesuffix("\n"))

@@ -10,6 +10,45 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import maze_env  # noqa: E402
+
+
+def test_maze_splits_are_disjoint_and_cover_every_path():
+    assert not set(maze_env.TRAIN_PATHS) & set(maze_env.VAL_PATHS)
+    assert len(maze_env.TRAIN_PATHS) + len(maze_env.VAL_PATHS) == 4**maze_env.PATH_LENGTH
+    assert all(s.path in maze_env.VAL_PATHS for s in maze_env.scenarios("val", 50, 0))
+    assert maze_env.scenarios("train", 5, 1) == maze_env.scenarios("train", 5, 1)
+
+
+def test_maze_walk_follows_the_breeze_and_rewards_fewer_turns():
+    scenario = maze_env.Scenario(("north", "east", "east", "south"))
+    assert json.loads(scenario.question().split(": ", 1)[1]) == {"breeze": "north"}
+    walk = maze_env.Walk(scenario)
+    assert json.loads(walk.move('{"direction": "west"}')) == {"result": "wall", "breeze": "north"}
+    assert json.loads(walk.move('{"direction": "north"}')) == {"result": "moved", "breeze": "east"}
+    assert "error" in json.loads(walk.move('{"direction": "up"}'))
+    assert walk.reward() == 0.5 * 1 / 4  # partial credit, never below giving up (0)
+    for direction in ("east", "east", "south"):
+        result = json.loads(walk.move(json.dumps({"direction": direction})))
+    assert result == {"result": "exit"} and walk.out
+    assert walk.reward() == pytest.approx(1.0 - 0.1 * 2)  # two wasted moves
+    perfect = maze_env.Walk(scenario)
+    for direction in scenario.path:
+        perfect.move(json.dumps({"direction": direction}))
+    assert perfect.reward() == 1.0
+
+
+def test_maze_weak_transcripts_are_well_formed_tool_conversations():
+    import random
+
+    rng = random.Random(0)
+    for i, scenario in enumerate(maze_env.scenarios("train", 20, 0)):
+        traj = maze_env.weak_transcript(scenario, rng, i, skill=1.0)
+        calls = [m for m in traj.messages() if m["role"] == "assistant"]
+        assert len(calls) == maze_env.PATH_LENGTH  # skill 1 walks straight out
+        assert json.loads(traj.messages()[-1]["content"]) == {"result": "exit"}
 
 
 @pytest.mark.slow

@@ -157,3 +157,19 @@ async def test_idle_connections_outlive_the_clients_own_expiry(served):
     otherwise a request sent just as the server closes its side is lost and the client waits for its
     timeout (seen as a 10-minute hang in a training loop)."""
     assert served._backend.service(served).server.keep_alive_s >= 30
+
+
+async def test_openai_client_is_shared_within_a_loop_and_replaced_once_closed(served):
+    client = served.openai_client()
+    assert served.openai_client() is client  # no new SSL context and pool per rollout
+    assert served.openai_client(timeout=5.0) is not client  # overrides get their own client
+    async with served.openai_client() as scoped:  # agent code may close "its" client
+        await scoped.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    fresh = served.openai_client()
+    assert fresh is not client and not fresh.is_closed()
+    response = await fresh.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    assert response.choices[0].token_ids
+
+
+def test_openai_client_outside_a_loop_is_a_new_client_each_time(served):
+    assert served.openai_client() is not served.openai_client()

@@ -244,4 +244,6 @@ def test_chunked_logprobs_equal_full_logits(tiny_model_dir):
     assert torch.allclose(results[0][0][trained], reference[trained], atol=1e-5)
     assert (results[0][0][~trained] == 0).all()  # only trainable positions go through the lm_head
     assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1], strict=True))
+    # same math, another fp32 summation order (chunks): equal up to rounding, relative to the gradient's size
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()) + 1e-7)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
@@ -59,6 +61,8 @@ class TrainableModel(BaseModel):
     _backend: Backend | None = PrivateAttr(default=None)
     _base_url: str | None = PrivateAttr(default=None)
     _api_key: str = PrivateAttr(default="artrl")
+    # one AsyncOpenAI per event loop (an httpx pool belongs to the loop that made it)
+    _clients: weakref.WeakKeyDictionary = PrivateAttr(default_factory=weakref.WeakKeyDictionary)
 
     @field_validator("name", "project")
     @classmethod
@@ -103,10 +107,25 @@ class TrainableModel(BaseModel):
         }
 
     def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
-        """An `openai.AsyncOpenAI` bound to the served model (keyword arguments override the defaults)."""
+        """An `openai.AsyncOpenAI` bound to the served model (keyword arguments override the defaults).
+
+        Without keyword arguments, calls from the same event loop share one client and its connection pool:
+        building a client costs tens of milliseconds (an SSL context), which a rollout per call would pay.
+        """
         import openai
 
-        return openai.AsyncOpenAI(**self._client_options(kwargs))
+        options = self._client_options(kwargs)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if kwargs or loop is None:
+            return openai.AsyncOpenAI(**options)
+        key = (options["base_url"], options["api_key"])
+        cached = self._clients.get(loop)
+        if cached is None or cached[0] != key or cached[1].is_closed():  # closed by `async with`
+            cached = self._clients[loop] = (key, openai.AsyncOpenAI(**options))
+        return cached[1]
 
     def openai_sync_client(self, **kwargs: Any) -> openai.OpenAI:
         """The synchronous twin of `openai_client`, for agent code that is not async."""

@@ -71,10 +71,13 @@ def forced_prefix(tool_choice: object) -> str:
     """Text placed after the generation prompt so the model must call a tool (tool_choice required/named).
 
     It becomes part of the prompt ids (forced, never trained), and the model samples the rest of the call.
+    It stops before the space that follows `"arguments":` in a rendered call: byte-level BPE tokenizers
+    merge that space into the next token (` {"`), so a prefix ending in a bare space would put the model
+    after a token split it never sees in rendered calls (and it then writes malformed arguments).
     """
     if tool_choice == "required":
         return TOOL_CALL_START + "\n"
     name = getattr(getattr(tool_choice, "function", None), "name", None)
     if name is not None:
-        return TOOL_CALL_START + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
+        return TOOL_CALL_START + "\n" + '{"name": ' + json.dumps(name) + ', "arguments":'
     return ""
