@@ -2,8 +2,8 @@
 
     python examples/train_agent.py [--base-model DIR_OR_HUB_ID] [--seed 0] [--steps N]
 
-1. warm start (cached): supervised fine-tuning on transcripts of a random walker (well-formed `move`
-   calls in random directions) — the model learns the format, not the task;
+1. warm start (cached): supervised fine-tuning on transcripts of a weak walker (well-formed `move` calls,
+   toward the breeze or away from it at random; --warm-skill) — the model learns the format, not the task;
 2. validation before training (mazes that training never sees);
 3. GRPO for N steps (groups of rollouts per scenario, one optimizer step each), with a live progress bar;
 4. validation after; a reward-curve PNG and a before/after table.
