@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import artrl
 
 DIRECTIONS = ("north", "south", "east", "west")
-OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
 PATH_LENGTH = 4
 MAX_MOVES = PATH_LENGTH + 1  # one wrong move is forgiven
 WASTED_MOVE_PENALTY = 0.1
@@ -155,15 +154,14 @@ async def rollout(
 
 def weak_transcript(scenario: Scenario, rng: random.Random, index: int, skill: float) -> artrl.Trajectory:
     """A transcript of a weak walker, for the warm start: well-formed `move` calls until it is out or out of
-    moves. It reads the breeze but is unsure which way it points: each move goes toward the breeze with
-    probability `skill` and away from it otherwise. The warm start learns the format and this coin flip;
-    RL has to learn which way is right."""
+    moves. Each move goes toward the breeze with probability `skill` and in a random direction otherwise.
+    The warm start learns the format and this habit; RL has to learn to trust the breeze."""
     traj = start(scenario)
     walk = Walk(scenario)
     while not walk.out and walk.moves < MAX_MOVES:
         call_id = f"call_{index}_{walk.moves}"
         wanted = scenario.path[walk.position]
-        arguments = json.dumps({"direction": wanted if rng.random() < skill else OPPOSITE[wanted]})
+        arguments = json.dumps({"direction": wanted if rng.random() < skill else rng.choice(DIRECTIONS)})
         traj.messages_and_choices.append(
             {
                 "role": "assistant",
