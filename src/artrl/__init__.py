@@ -14,14 +14,19 @@ from artrl.config import (
     TinyModelConfig,
     TrainConfig,
 )
+from artrl.dataset import DatasetBatch, iterate_dataset
+from artrl.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from artrl.model import TrainableModel, TrainResult
+from artrl.retry import retry
 from artrl.tiny import build_tiny_model, ensure_tiny_model
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = [
     "ClientConfig",
+    "DatasetBatch",
     "EngineConfig",
     "GatewayConfig",
+    "GatherError",
     "LocalBackend",
     "LoraConfig",
     "SFTConfig",
@@ -33,5 +38,9 @@ __all__ = [
     "TrajectoryGroup",
     "build_tiny_model",
     "ensure_tiny_model",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "iterate_dataset",
+    "retry",
 ]
 __version__ = "0.1.0"
