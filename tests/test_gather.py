@@ -10,6 +10,7 @@ import gc
 import io
 import math
 import time
+from pathlib import Path
 
 import pytest
 from openai.types.chat.chat_completion import Choice
@@ -46,8 +47,22 @@ class Sleeper:
         return Trajectory(reward=1.0)
 
 
+def _started_here(task: asyncio.Task) -> bool:
+    code = getattr(task.get_coro(), "cr_code", None)
+    return code is not None and Path(code.co_filename).resolve() in {
+        Path(__file__).resolve(),
+        Path(artrl.gather.__file__).resolve(),
+    }
+
+
 def other_tasks() -> set[asyncio.Task]:
-    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
+    """Unfinished tasks of gather or of this file's rollouts. Tasks of other tests' leftovers (e.g. an httpx
+    client that `gc.collect()` closes) share the session's loop and are not ours to judge."""
+    return {
+        t
+        for t in asyncio.all_tasks()
+        if t is not asyncio.current_task() and not t.done() and _started_here(t)
+    }
 
 
 def choice_with_tokens(n: int) -> Choice:

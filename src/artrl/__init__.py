@@ -4,6 +4,7 @@
 `artrl.local` and load when a model is registered with a `LocalBackend`.
 """
 
+from artrl import rewards
 from artrl.backend import LocalBackend
 from artrl.config import (
     ClientConfig,
@@ -42,5 +43,6 @@ __all__ = [
     "gather_trajectory_groups",
     "iterate_dataset",
     "retry",
+    "rewards",
 ]
 __version__ = "0.1.0"

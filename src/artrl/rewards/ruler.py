@@ -1,0 +1,190 @@
+"""A relative LLM judge (RULER-style): one judge call scores a whole group of trajectories against each other.
+
+The judge is any OpenAI-compatible endpoint reached through an `openai.AsyncOpenAI` client: a hosted API,
+or a model served by artrl itself (``model.openai_client()``). The message prefix the trajectories share is
+sent once; each trajectory is shown under an id (``t1``..``tN``, in list order) and the scores are matched
+back by that id, never by the order of the judge's answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping, Sequence
+from typing import Any
+
+import openai
+
+from artrl.rewards.judge_prompt import (
+    DEFAULT_RUBRIC,
+    JudgeOutputError,
+    Message,
+    build_judge_messages,
+    cache_key,
+    common_prefix,
+    parse_scores,
+)
+from artrl.trajectory import TrajectoryGroup
+
+log = logging.getLogger(__name__)
+
+JudgeCache = MutableMapping[str, list[tuple[float, str]]]
+"""Where judged groups are kept (a plain dict will do), keyed by `cache_key` of the judge's prompt."""
+
+
+class JudgeError(RuntimeError):
+    """The judge failed: its request failed, or its answer was still invalid after `max_attempts` tries."""
+
+    def __init__(self, message: str, *, attempts: int, last_output: str | None = None) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.last_output = last_output
+
+
+def trajectory_ids(count: int) -> list[str]:
+    """The ids trajectories are shown under: ``t1``..``tN`` in list order (scores are matched by id)."""
+    return [f"t{i}" for i in range(1, count + 1)]
+
+
+def _tail(text: str | None, limit: int = 500) -> str:
+    if text is None:
+        return "(no content)"
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+async def ruler_scores(
+    message_lists: Sequence[Sequence[Message]],
+    *,
+    judge: openai.AsyncOpenAI,
+    model: str,
+    rubric: str = DEFAULT_RUBRIC,
+    max_attempts: int = 3,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
+    timeout: float = 60.0,
+    json_mode: bool = False,
+    cache: JudgeCache | None = None,
+) -> list[tuple[float, str]]:
+    """Score conversations relative to each other with one judge call; returns ``(score, explanation)``
+    per conversation, in input order, each score in [0, 1].
+
+    Args:
+        message_lists: one chat-completions message list per trajectory (what `Trajectory.messages()` gives).
+        judge: the client of the judge's endpoint. `model`: the judge model's name there.
+        rubric: what makes a trajectory better; the answer format is added to it.
+        max_attempts: how many judge calls to make while its answer is invalid (not JSON, a score outside
+            [0, 1], ids missing, unknown or repeated). Transport errors are retried by the client itself
+            (its ``max_retries``), not here.
+        temperature, max_tokens: sent only when given (None: the endpoint's default).
+        timeout: seconds for each judge call.
+        json_mode: also send ``response_format={"type": "json_object"}`` (off by default: not every endpoint
+            accepts it, artrl's own gateway among them; the answer is validated either way).
+        cache: a mapping (a dict will do) of earlier answers keyed by the content of the judge's prompt;
+            a hit makes no call.
+
+    Raises:
+        JudgeError: the request failed, or every attempt gave an invalid answer; the message quotes the
+            last validation error and the tail of the judge's last output.
+    """
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    if not message_lists:
+        return []
+    ids = trajectory_ids(len(message_lists))
+    prefix, suffixes = common_prefix(message_lists)
+    messages = build_judge_messages(prefix, dict(zip(ids, suffixes, strict=True)), rubric)
+    key = cache_key(model, rubric, messages) if cache is not None else ""
+    if cache is not None and key in cache:
+        return [(float(s), str(e)) for s, e in cache[key]]
+
+    options: dict[str, Any] = {"timeout": timeout}
+    if temperature is not None:
+        options["temperature"] = temperature
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
+    if json_mode:
+        options["response_format"] = {"type": "json_object"}
+
+    text: str | None = None
+    error: JudgeOutputError | None = None
+    for attempt in range(1, max_attempts + 1):
+        try:
+            response = await judge.chat.completions.create(model=model, messages=messages, **options)  # type: ignore[arg-type]
+        except openai.APIError as exc:
+            raise JudgeError(
+                f"judge request to {model!r} failed: {type(exc).__name__}: {exc}", attempts=attempt
+            ) from exc
+        text = response.choices[0].message.content if response.choices else None
+        try:
+            if not text:
+                raise JudgeOutputError("judge output is empty")
+            scores = parse_scores(text, ids)
+        except JudgeOutputError as exc:
+            error = exc
+            log.warning("judge answer invalid (attempt %d of %d): %s", attempt, max_attempts, exc)
+            continue
+        result = [scores[i] for i in ids]
+        if cache is not None:
+            cache[key] = result
+        return result
+    raise JudgeError(
+        f"judge {model!r} gave no valid scores in {max_attempts} attempt(s); last error: {error}; "
+        f"end of its last output: {_tail(text)!r}",
+        attempts=max_attempts,
+        last_output=text,
+    )
+
+
+async def ruler_score_group(
+    group: TrajectoryGroup,
+    *,
+    judge: openai.AsyncOpenAI,
+    model: str,
+    rubric: str = DEFAULT_RUBRIC,
+    swallow_exceptions: bool = False,
+    **kwargs: Any,
+) -> TrajectoryGroup | None:
+    """Rescore a group with the relative judge; returns a new group (the input is left as it was).
+
+    Each trajectory of the result has ``reward`` = the judge's score, ``metrics["independent_reward"]`` =
+    its reward before, ``metrics["ruler_score"]`` = the score, and the judge's explanation appended to its
+    ``logs``. The judge sees ``Trajectory.messages()`` (not the tool schemas). A group of fewer than two
+    trajectories has nothing to compare and is returned as it is, without a judge call.
+
+    Other keyword arguments go to `ruler_scores` (``max_attempts``, ``timeout``, ``cache``...). With
+    ``swallow_exceptions=True`` a `JudgeError` is logged and None returned, so that
+    ``after_each=functools.partial(ruler_score_group, judge=client, model="...", swallow_exceptions=True)``
+    in `artrl.gather_trajectory_groups` drops the groups the judge could not score.
+    """
+    if len(group.trajectories) < 2:
+        return group
+    try:
+        scores = await ruler_scores(
+            [t.messages() for t in group.trajectories], judge=judge, model=model, rubric=rubric, **kwargs
+        )
+    except JudgeError as exc:
+        if not swallow_exceptions:
+            raise
+        log.warning("dropping a group of %d trajectories: %s", len(group.trajectories), exc)
+        return None
+    trajectories = [
+        t.model_copy(
+            update={
+                "reward": score,
+                "messages_and_choices": list(t.messages_and_choices),
+                "metadata": dict(t.metadata),
+                "metrics": {**t.metrics, "independent_reward": t.reward, "ruler_score": score},
+                "logs": [
+                    *t.logs,
+                    f"ruler score {score:.3f} (independent reward {t.reward:g}): {explanation}",
+                ],
+            }
+        )
+        for t, (score, explanation) in zip(group.trajectories, scores, strict=True)
+    ]
+    return group.model_copy(
+        update={
+            "trajectories": trajectories,
+            "exceptions": list(group.exceptions),
+            "metadata": dict(group.metadata),
+        }
+    )
