@@ -169,20 +169,20 @@ async def main(args: argparse.Namespace) -> dict:
         for step in bar:
             t = time.perf_counter()
             batch = scenarios[step * args.groups_per_step : (step + 1) * args.groups_per_step]
-            groups = await asyncio.gather(
-                *(
-                    asyncio.gather(
-                        *(
-                            env.rollout(model, s, seed=args.seed * 10**7 + step * 1000 + k * 50 + j)
-                            for j in range(args.group_size)
-                        )
+            groups = await artrl.gather_trajectory_groups(
+                (
+                    (
+                        env.rollout(model, s, seed=args.seed * 10**7 + step * 1000 + k * 50 + j)
+                        for j in range(args.group_size)
                     )
                     for k, s in enumerate(batch)
-                )
+                ),
+                pbar=False,  # the GRPO bar below shows the step's reward
+                max_exceptions=0.1,  # a rollout that raises is recorded on its group, up to 10%
             )
             timings["rollouts"] += time.perf_counter() - t
             t = time.perf_counter()
-            result = await model.train([artrl.TrajectoryGroup(g) for g in groups], config=config)
+            result = await model.train(groups, config=config)
             timings["training"] += time.perf_counter() - t
             success = sum(tr.metrics["success"] for g in groups for tr in g) / sum(len(g) for g in groups)
             history.append({"step": step + 1, "reward": result.metrics["reward_mean"], "success": success})

@@ -17,6 +17,7 @@ from artrl.config import (
 )
 from artrl.dataset import DatasetBatch, iterate_dataset
 from artrl.gather import GatherError, gather_trajectories, gather_trajectory_groups
+from artrl.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
 from artrl.retry import retry
 from artrl.tiny import build_tiny_model, ensure_tiny_model
@@ -30,6 +31,7 @@ __all__ = [
     "GatherError",
     "LocalBackend",
     "LoraConfig",
+    "MCPTools",
     "SFTConfig",
     "TinyModelConfig",
     "TrainConfig",
