@@ -7,7 +7,7 @@ import math
 import pytest
 from openai.types.chat.chat_completion import Choice
 
-from artrl import Trajectory
+from artrl import History, Trajectory
 from artrl.local.rows import UntrackedTurnsError, format_row, trajectory_rows
 
 
@@ -81,3 +81,30 @@ def test_format_row_marks_sampled_spans(tokenizer):
     traj = Trajectory(messages_and_choices=[choice(ids[:prompt_len], ids[prompt_len:])])
     (row,) = trajectory_rows(traj, 0, tokenizer, False)
     assert format_row(row, tokenizer.decode) == "<|im_start|>assistant\n⟦Hello<|im_end|>⟧"
+
+
+def test_a_call_extends_the_longest_row_it_continues_and_histories_add_rows():
+    traj = Trajectory(
+        messages_and_choices=[
+            choice([1, 2], [3]),
+            choice([1, 9], [10]),  # a side call between two turns of the main conversation
+            choice([1, 2, 3, 4], [5]),  # continues the first row, not the last one
+        ],
+        additional_histories=[
+            History(messages_and_choices=[{"role": "user", "content": "s"}, choice([7], [8])])
+        ],
+    )
+    rows = trajectory_rows(traj, 0, None, allow_rendered=False)
+    assert [r.ids for r in rows] == [[1, 2, 3, 4, 5], [1, 9, 10], [7, 8]]
+    assert [r.weight for r in rows] == pytest.approx([1 / 3] * 3)
+
+
+def test_untracked_turns_in_a_history_need_opt_in(tokenizer):
+    history = History(
+        messages_and_choices=[{"role": "user", "content": "s"}, {"role": "assistant", "content": "a"}]
+    )
+    traj = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], additional_histories=[history])
+    with pytest.raises(UntrackedTurnsError):
+        trajectory_rows(traj, 0, tokenizer, allow_rendered=False)
+    (row,) = trajectory_rows(traj, 0, tokenizer, allow_rendered=True)
+    assert tokenizer.decode([t for t, m in zip(row.ids, row.mask, strict=True) if m]) == "a<|im_end|>"

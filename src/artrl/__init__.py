@@ -6,6 +6,7 @@
 
 from artrl import rewards
 from artrl.backend import LocalBackend
+from artrl.capturing import Capture, CaptureError, capture
 from artrl.config import (
     ClientConfig,
     EngineConfig,
@@ -21,14 +22,17 @@ from artrl.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
 from artrl.retry import retry
 from artrl.tiny import build_tiny_model, ensure_tiny_model
-from artrl.trajectory import Trajectory, TrajectoryGroup
+from artrl.trajectory import History, Trajectory, TrajectoryGroup
 
 __all__ = [
+    "Capture",
+    "CaptureError",
     "ClientConfig",
     "DatasetBatch",
     "EngineConfig",
     "GatewayConfig",
     "GatherError",
+    "History",
     "LocalBackend",
     "LoraConfig",
     "MCPTools",
@@ -40,6 +44,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "build_tiny_model",
+    "capture",
     "ensure_tiny_model",
     "gather_trajectories",
     "gather_trajectory_groups",

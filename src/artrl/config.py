@@ -82,6 +82,8 @@ class GatewayConfig(_Frozen):
         "expiry (httpx: 5 s) or a request sent as the server closes the connection is lost",
     )
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_open_captures: int = Field(default=4096, ge=1, description="`artrl.capture` blocks open at once")
+    max_capture_records: int = Field(default=10_000, ge=1, description="calls recorded by one capture")
 
 
 class ClientConfig(_Frozen):

@@ -111,6 +111,8 @@ class TrainableModel(BaseModel):
 
         Without keyword arguments, calls from the same event loop share one client and its connection pool:
         building a client costs tens of milliseconds (an SSL context), which a rollout per call would pay.
+        Its calls made inside an `artrl.capture(model)` block are recorded there (an httpx request hook adds
+        the capture's header; unless you pass your own `http_client`).
         """
         import openai
 
@@ -120,18 +122,35 @@ class TrainableModel(BaseModel):
         except RuntimeError:
             loop = None
         if kwargs or loop is None:
-            return openai.AsyncOpenAI(**options)
+            return openai.AsyncOpenAI(**self._with_capture_hook(options, async_client=True))
         key = (options["base_url"], options["api_key"])
         cached = self._clients.get(loop)
         if cached is None or cached[0] != key or cached[1].is_closed():  # closed by `async with`
-            cached = self._clients[loop] = (key, openai.AsyncOpenAI(**options))
+            client = openai.AsyncOpenAI(**self._with_capture_hook(options, async_client=True))
+            cached = self._clients[loop] = (key, client)
         return cached[1]
 
     def openai_sync_client(self, **kwargs: Any) -> openai.OpenAI:
-        """The synchronous twin of `openai_client`, for agent code that is not async."""
+        """The synchronous twin of `openai_client`, for agent code that is not async (recorded by an
+        `artrl.capture` block too, including from `asyncio.to_thread`, which copies the context)."""
         import openai
 
-        return openai.OpenAI(**self._client_options(kwargs))
+        return openai.OpenAI(**self._with_capture_hook(self._client_options(kwargs), async_client=False))
+
+    @staticmethod
+    def _with_capture_hook(options: dict[str, Any], async_client: bool) -> dict[str, Any]:
+        """Options with an httpx client whose request hook tags calls made inside `artrl.capture` blocks."""
+        if "http_client" in options:
+            return options
+        import openai
+
+        from artrl.capturing import tag_request, tag_request_async
+
+        if async_client:
+            http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [tag_request_async]})
+        else:
+            http = openai.DefaultHttpxClient(event_hooks={"request": [tag_request]})
+        return {**options, "http_client": http}
 
     async def get_step(self) -> int:
         """The latest training step of this model (0 before any training)."""

@@ -31,15 +31,13 @@ def choice_to_message(choice: Choice) -> dict[str, Any]:
     return message
 
 
-class Trajectory(BaseModel):
+class History(BaseModel):
+    """One conversation: messages and sampled choices, and the tools it offered."""
+
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
-    reward: float = 0.0
-    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    logs: list[str] = Field(default_factory=list)
 
     @field_validator("messages_and_choices", mode="before")
     @classmethod
@@ -58,6 +56,20 @@ class Trajectory(BaseModel):
 
     def choices(self) -> list[Choice]:
         return [x for x in self.messages_and_choices if isinstance(x, Choice)]
+
+
+class Trajectory(History):
+    """A rollout: its main conversation (this History) with its reward.
+
+    `additional_histories` are other conversations of the same rollout (sub-agents, summaries, ...): they are
+    trained with the same reward (`artrl.capture` fills them from calls that do not continue the main one).
+    """
+
+    reward: float = 0.0
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+    additional_histories: list[History] = Field(default_factory=list)
 
     def log(self, message: str) -> None:
         self.logs.append(message)

@@ -1,9 +1,11 @@
 """Training rows from trajectories: exactly the tokens the model saw and sampled.
 
-Walk a trajectory's sampled calls in order. If call k+1's prompt ids start with the current row (call k's
-prompt + sampled ids, and so on back), extend the row with the new prompt tokens (mask 0) and the new
-sampled tokens (mask 1); otherwise start a new row (a fork: a sub-agent, a summary, an edited history).
-Every row of a trajectory gets weight 1 / (its number of rows), so a trajectory counts once however it forks.
+Walk a trajectory's sampled calls in order: its main conversation's, then each additional history's. If a
+call's prompt ids start with an existing row (an earlier call's prompt + sampled ids, and so on back), extend
+the longest such row with the new prompt tokens (mask 0) and the new sampled tokens (mask 1); otherwise start
+a new row (a fork: a sub-agent, a summary, an edited history). A call that appears in several histories (the
+same prompt and sampled ids: shared context) is trained once. Every row of a trajectory gets weight
+1 / (its number of rows), so a trajectory counts once however it forks, and all its histories share its reward.
 
 Assistant turns without recorded ids (plain dicts, or choices from another provider) are only trained if the
 caller opts in: the whole conversation is then rendered with the chat template and its assistant mask.
@@ -18,7 +20,7 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from artrl.trajectory import Trajectory
+from artrl.trajectory import History, Trajectory
 
 NO_LOGPROB = math.nan  # on prompt tokens, and on rendered turns (no behaviour logprob was recorded)
 
@@ -59,23 +61,38 @@ def _recorded(choice: Choice) -> tuple[list[int], list[int], list[float]] | None
     return prompt, sampled, [float(x) for x in logprobs]
 
 
+def _histories(traj: Trajectory) -> list[History]:
+    return [traj, *traj.additional_histories]
+
+
+def _is_assistant(item: Any) -> bool:
+    return isinstance(item, Choice) or (isinstance(item, dict) and item.get("role") == "assistant")
+
+
 def has_untracked_turns(traj: Trajectory) -> bool:
-    for item in traj.messages_and_choices:
-        if isinstance(item, Choice) and _recorded(item) is None:
-            return True
-        if isinstance(item, dict) and item.get("role") == "assistant":
-            return True
+    for history in _histories(traj):
+        for item in history.messages_and_choices:
+            if isinstance(item, Choice) and _recorded(item) is None:
+                return True
+            if isinstance(item, dict) and item.get("role") == "assistant":
+                return True
     return False
 
 
 def recorded_rows(traj: Trajectory, index: int) -> list[Row]:
     rows: list[Row] = []
-    for choice in traj.choices():
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    for choice in (c for history in _histories(traj) for c in history.choices()):
         recorded = _recorded(choice)
         assert recorded is not None
         prompt, sampled, logprobs = recorded
-        row = rows[-1] if rows else None
-        if row is None or prompt[: len(row.ids)] != row.ids:
+        key = (tuple(prompt), tuple(sampled))
+        if key in seen:
+            continue
+        seen.add(key)
+        continued = [r for r in rows if prompt[: len(r.ids)] == r.ids]
+        row = max(continued, key=lambda r: len(r.ids)) if continued else None
+        if row is None:
             row = Row(trajectory=index)
             rows.append(row)
         row.extend(prompt[len(row.ids) :], sampled=False)
@@ -83,7 +100,7 @@ def recorded_rows(traj: Trajectory, index: int) -> list[Row]:
     return rows
 
 
-def rendered_row(traj: Trajectory, index: int, tokenizer: Any) -> Row:
+def rendered_row(traj: History, index: int, tokenizer: Any) -> Row:
     """The conversation rendered by the chat template; trainable = the template's assistant spans."""
     encoded = tokenizer.apply_chat_template(
         traj.messages(), tools=traj.tools or None, return_dict=True, return_assistant_tokens_mask=True
@@ -105,7 +122,8 @@ def trajectory_rows(traj: Trajectory, index: int, tokenizer: Any, allow_rendered
                 "choices from another server). Sample them through the artrl gateway, or opt in to training "
                 "a re-rendering with TrainConfig(allow_rendered_turns=True)."
             )
-        rows = [rendered_row(traj, index, tokenizer)]
+        histories = [h for h in _histories(traj) if any(map(_is_assistant, h.messages_and_choices))]
+        rows = [rendered_row(h, index, tokenizer) for h in histories]
     else:
         rows = recorded_rows(traj, index)
     for row in rows:

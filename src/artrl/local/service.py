@@ -12,6 +12,7 @@ from artrl.config import EngineConfig, GatewayConfig, LoraConfig
 from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
 from artrl.local.gateway.app import create_app
+from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.serving import ChatServing
 from artrl.local.loading import context_length, end_of_turn_ids, load_model_and_tokenizer
@@ -82,7 +83,10 @@ class LocalService:
             end_of_turn_ids(model, tokenizer),
         )
         app = create_app(
-            serving, api_key=gateway_config.api_key, max_request_bytes=gateway_config.max_request_bytes
+            serving,
+            api_key=gateway_config.api_key,
+            max_request_bytes=gateway_config.max_request_bytes,
+            captures=CaptureStore(gateway_config.max_open_captures, gateway_config.max_capture_records),
         )
         server = GatewayServer(app, gateway_config.host, gateway_config.port, gateway_config.keep_alive_s)
         server.start(gateway_config.startup_timeout_s)

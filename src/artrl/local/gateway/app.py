@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artrl.local.engine import EngineError
+from artrl.local.gateway.captures import CAPTURE_HEADER, CaptureStore
 from artrl.local.gateway.protocol import RequestError, parse_request
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
 
@@ -29,13 +30,18 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
 
 
 def create_app(
-    serving: ChatServing, *, api_key: str | None = None, max_request_bytes: int = 8 << 20
+    serving: ChatServing,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = 8 << 20,
+    captures: CaptureStore | None = None,
 ) -> FastAPI:
     app = FastAPI(title="artrl gateway", docs_url=None, redoc_url=None)
+    store = captures if captures is not None else CaptureStore()
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        guarded = api_key is not None and request.url.path.startswith("/v1/")
+        guarded = api_key is not None and request.url.path.startswith(("/v1/", "/capture/"))
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if guarded and (
             scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), api_key.encode())
@@ -76,8 +82,12 @@ def create_app(
             ],
         }
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    @app.get("/capture/{capture_id}/v1/models")
+    async def capture_models(capture_id: str) -> dict[str, Any]:
+        store.check(capture_id)
+        return await models()
+
+    async def chat(request: Request, capture_id: str | None):
         raw = await request.body()
         if len(raw) > max_request_bytes:
             raise RequestError(
@@ -85,13 +95,38 @@ def create_app(
                 status=413,
                 code="request_too_large",
             )
+        if capture_id is not None:
+            store.check(capture_id)
         prepared = serving.prepare(parse_request(raw))
+
+        def record(choices: list[dict[str, Any]]) -> None:
+            if capture_id is not None:
+                store.add(capture_id, _record(prepared, choices))
+
         if prepared.request.stream:
-            return StreamingResponse(_sse(serving, prepared), media_type="text/event-stream")
+            return StreamingResponse(_sse(serving, prepared, record), media_type="text/event-stream")
         try:
-            return JSONResponse(await _complete(serving, prepared))
+            body = await _complete(serving, prepared)
         except EngineError as exc:
             return _error(500, f"the engine failed: {exc}", "engine_error")
+        record(body["choices"])
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await chat(request, request.headers.get(CAPTURE_HEADER))
+
+    @app.post("/capture/{capture_id}/v1/chat/completions")
+    async def capture_chat_completions(capture_id: str, request: Request):
+        return await chat(request, capture_id)
+
+    @app.post("/v1/captures")
+    async def open_capture() -> dict[str, Any]:
+        return {"id": store.open(), "object": "capture"}
+
+    @app.delete("/v1/captures/{capture_id}")
+    async def close_capture(capture_id: str) -> dict[str, Any]:
+        return {"id": capture_id, "object": "capture", "records": store.close(capture_id)}
 
     return app
 
@@ -103,16 +138,7 @@ async def _complete(serving: ChatServing, prepared: PreparedRequest) -> dict[str
         if isinstance(event, ChoiceResult):
             results.append(event)
     results.sort(key=lambda r: r.index)
-    choices = [
-        {
-            "index": r.index,
-            "message": r.message,
-            "finish_reason": r.finish_reason,
-            "logprobs": {"content": serving.logprob_entries(r.tokens)} if prepared.request.logprobs else None,
-            **serving.token_fields(r),
-        }
-        for r in results
-    ]
+    choices = [_choice(serving, prepared, r) for r in results]
     return {
         "id": prepared.id,
         "object": "chat.completion",
@@ -123,13 +149,33 @@ async def _complete(serving: ChatServing, prepared: PreparedRequest) -> dict[str
     }
 
 
+def _choice(serving: ChatServing, prepared: PreparedRequest, result: ChoiceResult) -> dict[str, Any]:
+    """A whole choice as a non-streaming response carries it (and as a capture records it)."""
+    want_logprobs = bool(prepared.request.logprobs)
+    return {
+        "index": result.index,
+        "message": result.message,
+        "finish_reason": result.finish_reason,
+        "logprobs": {"content": serving.logprob_entries(result.tokens)} if want_logprobs else None,
+        **serving.token_fields(result),
+    }
+
+
+def _record(prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    request = prepared.request
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    return {"id": prepared.id, "messages": request.messages, "tools": tools, "choices": choices}
+
+
 def _usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, int]:
     completion = sum(len(r.tokens) for r in results)
     prompt = len(prepared.prompt.ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _sse(serving: ChatServing, prepared: PreparedRequest) -> AsyncIterator[bytes]:
+async def _sse(
+    serving: ChatServing, prepared: PreparedRequest, record: Callable[[list[dict[str, Any]]], None]
+) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body = {
             "id": prepared.id,
@@ -176,6 +222,7 @@ async def _sse(serving: ChatServing, prepared: PreparedRequest) -> AsyncIterator
                     }
                 ]
             )
+        record([_choice(serving, prepared, r) for r in sorted(results, key=lambda r: r.index)])
         options = prepared.request.stream_options
         if options is not None and options.include_usage:
             yield chunk([], usage=_usage(prepared, results))

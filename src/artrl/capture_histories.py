@@ -1,0 +1,115 @@
+"""A capture's records → one Trajectory: the main conversation plus additional histories.
+
+Every sampled choice of every record is a node. A node's parent is the choice whose request messages + its
+assistant message form the longest prefix of this request's messages (the latest such choice on a tie), so
+each conversation is a path of nodes from a root (a request continuing nothing recorded) to a leaf.
+Messages are compared like the gateway compares them for continuation: by role, text content (None = ""),
+tool calls (id, name, parsed arguments) and tool_call_id, ignoring other fields and formatting noise.
+
+The main conversation is the longest path (most sampled turns; on a tie the one whose last call finished
+latest). Every other leaf's path becomes an additional history. Paths share their common beginning, and the
+shared choices appear in each history; training counts each sampled call once (`artrl.local.rows`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from openai.types.chat.chat_completion import Choice
+
+from artrl.trajectory import History, MessageOrChoice, Trajectory
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return content if isinstance(content, str) else ""
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def canonical_message(message: Any) -> str:
+    """A message as a string that ignores formatting noise (see the module docstring)."""
+    if not isinstance(message, dict):
+        return json.dumps(repr(message))
+    role = "system" if message.get("role") == "developer" else message.get("role")
+    calls = [
+        [
+            c.get("id"),
+            (c.get("function") or {}).get("name"),
+            _arguments((c.get("function") or {}).get("arguments")),
+        ]
+        for c in message.get("tool_calls") or []
+        if isinstance(c, dict)
+    ]
+    out = {"role": role, "content": _text(message.get("content")), "tool_calls": calls}
+    if role == "tool":
+        out["tool_call_id"] = message.get("tool_call_id")
+    return json.dumps(out, sort_keys=True, ensure_ascii=False)
+
+
+class _Node:
+    def __init__(self, record: int, choice: Choice, messages: list[Any], tools: Any, key: tuple[str, ...]):
+        self.record, self.choice, self.messages, self.tools, self.key = record, choice, messages, tools, key
+        self.parent: _Node | None = None
+        self.children = 0
+
+    def path(self) -> list[_Node]:
+        nodes, node = [], self
+        while node is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+
+def _nodes(records: list[dict[str, Any]]) -> list[_Node]:
+    by_key: dict[tuple[str, ...], _Node] = {}  # request messages + assistant message → the latest such choice
+    nodes: list[_Node] = []
+    for i, record in enumerate(records):
+        messages = list(record.get("messages") or [])
+        request = tuple(canonical_message(m) for m in messages)
+        parent = next(
+            (by_key[request[:n]] for n in range(len(request), 0, -1) if request[:n] in by_key), None
+        )
+        for raw in record.get("choices") or []:
+            choice = Choice.model_validate(raw)
+            key = (*request, canonical_message(raw.get("message")))
+            node = _Node(i, choice, messages, record.get("tools"), key)
+            node.parent = parent
+            if parent is not None:
+                parent.children += 1
+            by_key[key] = node
+            nodes.append(node)
+    return nodes
+
+
+def _history(path: list[_Node]) -> History:
+    """The leaf's request messages with each earlier node's assistant turn replaced by its Choice."""
+    leaf = path[-1]
+    items: list[MessageOrChoice] = list(leaf.messages)
+    for node in path[:-1]:
+        items[len(node.messages)] = node.choice
+    items.append(leaf.choice)
+    return History(messages_and_choices=items, tools=leaf.tools)
+
+
+def trajectory_from_records(records: list[dict[str, Any]]) -> Trajectory:
+    """Records in completion order (as `DELETE /v1/captures/{id}` returns them) → Trajectory (reward 0)."""
+    nodes = _nodes(records)
+    leaves = [(node, node.path()) for node in nodes if node.children == 0]
+    if not leaves:
+        return Trajectory()
+    main_leaf, main_path = max(leaves, key=lambda leaf: (len(leaf[1]), leaf[0].record))
+    main = _history(main_path)
+    others = [_history(path) for leaf, path in leaves if leaf is not main_leaf]
+    return Trajectory(
+        messages_and_choices=main.messages_and_choices, tools=main.tools, additional_histories=others
+    )

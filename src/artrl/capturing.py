@@ -1,0 +1,130 @@
+"""`artrl.capture(model)`: record every call agent code makes to the served model inside a block, unchanged.
+
+    async with artrl.capture(model) as cap:
+        await run_agent(model.openai_client())          # or any client given cap.base_url
+    cap.trajectory.reward = score(...)
+
+Calls are recorded by the gateway (exact token ids included), not by patching anything here:
+- a client from `model.openai_client()` / `model.openai_sync_client()` carries an httpx request hook that
+  adds `X-Artrl-Capture: <id>` while a capture of that gateway is active in the current context (a
+  ContextVar: per asyncio task, copied into `asyncio.to_thread`), so concurrent captures never mix;
+- any other client (any language) sends its requests to `cap.base_url` (`.../capture/<id>/v1`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from artrl.capture_histories import trajectory_from_records
+from artrl.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    import openai
+
+    from artrl.model import TrainableModel
+
+CAPTURE_HEADER = "X-Artrl-Capture"
+
+# the captures open in this context, innermost last
+_active: contextvars.ContextVar[tuple[Capture, ...]] = contextvars.ContextVar("artrl_capture", default=())
+
+
+class CaptureError(RuntimeError):
+    """The gateway refused to open or close a capture."""
+
+
+class Capture:
+    """One open capture. `trajectory` is filled when the `artrl.capture` block exits; set its reward then."""
+
+    def __init__(self, capture_id: str, gateway_url: str, api_key: str) -> None:
+        self.id = capture_id
+        self.gateway_url = gateway_url  # the model's inference base URL, ".../v1"
+        self.api_key = api_key
+        self.records: list[dict[str, Any]] = []
+        self.trajectory = Trajectory()
+
+    @property
+    def base_url(self) -> str:
+        """An OpenAI base URL that records into this capture, for code that only takes a base URL."""
+        return f"{self.gateway_url.removesuffix('/v1')}/capture/{self.id}/v1"
+
+    def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        """A new `openai.AsyncOpenAI` on `base_url` (keyword arguments override the defaults)."""
+        import openai
+
+        return openai.AsyncOpenAI(**{"base_url": self.base_url, "api_key": self.api_key, **kwargs})
+
+    def __repr__(self) -> str:
+        return f"Capture(id={self.id!r}, records={len(self.records)})"
+
+
+def active_capture(url: str) -> Capture | None:
+    """The innermost capture open in this context on the gateway that serves `url`, if any."""
+    for capture in reversed(_active.get()):
+        if url.startswith(capture.gateway_url):
+            return capture
+    return None
+
+
+def _tag(request: httpx.Request) -> None:
+    capture = active_capture(str(request.url))
+    if capture is not None and CAPTURE_HEADER not in request.headers:
+        request.headers[CAPTURE_HEADER] = capture.id
+
+
+async def tag_request_async(request: httpx.Request) -> None:
+    """httpx request hook (AsyncClient): add the capture header inside an `artrl.capture` block."""
+    _tag(request)
+
+
+def tag_request(request: httpx.Request) -> None:
+    """httpx request hook (Client): add the capture header inside an `artrl.capture` block."""
+    _tag(request)
+
+
+def _check(response: httpx.Response, action: str) -> dict[str, Any]:
+    if response.status_code >= 400:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:500]
+        raise CaptureError(f"could not {action}: HTTP {response.status_code}: {message}")
+    return response.json()
+
+
+@asynccontextmanager
+async def capture(model: TrainableModel, *, timeout: float = 30.0) -> AsyncIterator[Capture]:
+    """Record the calls made to `model`'s gateway inside the block (see this module's docstring).
+
+    On exit, `Capture.trajectory` holds the main conversation (`messages_and_choices`, `tools`) and, as
+    `additional_histories`, the calls that did not continue it (sub-agents, summaries), all with exact token
+    ids; calls still running when the block exits are not recorded. `timeout` bounds opening and closing.
+    """
+    gateway_url = model.inference_base_url.rstrip("/")
+    api_key = model.inference_api_key
+    headers = {"Authorization": f"Bearer {api_key}"}
+    # a plain-http gateway (the local default) needs no TLS: skipping the CA bundle saves ~65 ms per capture
+    verify = not gateway_url.startswith("http://")
+    async with httpx.AsyncClient(timeout=timeout, headers=headers, verify=verify) as http:
+        opened = _check(await http.post(f"{gateway_url}/captures"), "open a capture")
+        cap = Capture(opened["id"], gateway_url, api_key)
+        token = _active.set((*_active.get(), cap))
+        failed = True
+        try:
+            yield cap
+            failed = False
+        finally:
+            _active.reset(token)
+            try:
+                closed = _check(await http.delete(f"{gateway_url}/captures/{cap.id}"), f"close {cap.id}")
+            except Exception:
+                if not failed:
+                    raise
+                closed = {"records": []}  # the block's own exception is the one to report
+            cap.records = closed["records"]
+            cap.trajectory = trajectory_from_records(cap.records)
