@@ -18,6 +18,7 @@ from artrl.config import (
 )
 from artrl.dataset import DatasetBatch, iterate_dataset
 from artrl.gather import GatherError, gather_trajectories, gather_trajectory_groups
+from artrl.langchain_model import langchain_chat_model
 from artrl.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
 from artrl.retry import retry
@@ -49,6 +50,7 @@ __all__ = [
     "gather_trajectories",
     "gather_trajectory_groups",
     "iterate_dataset",
+    "langchain_chat_model",
     "retry",
     "rewards",
 ]
