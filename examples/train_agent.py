@@ -42,8 +42,9 @@ TARGET_GAIN = 0.30  # the gain in validation success the demo must show (issue 4
 
 
 async def evaluate(model: artrl.TrainableModel, scenarios: list[env.Scenario]) -> dict[str, float]:
-    trajectories = await asyncio.gather(
-        *(env.rollout(model, s, seed=1_000_000 + i) for i, s in enumerate(scenarios))
+    trajectories = await artrl.gather_trajectories(  # a live bar: done/total, mean reward, tokens
+        (env.rollout(model, s, seed=1_000_000 + i) for i, s in enumerate(scenarios)),
+        pbar_desc="validation",
     )
     await model.log([artrl.TrajectoryGroup(trajectories)], split="val")
     n = len(trajectories)

@@ -84,13 +84,15 @@ def test_tool_agent_demo(tmp_path):
 
 
 def run_train_agent(*args: str, timeout: float) -> str:
-    return subprocess.run(
+    """The script's stdout and stderr (where the progress bars go)."""
+    done = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_agent.py"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=True,
-    ).stdout
+    )
+    return done.stdout + done.stderr
 
 
 @pytest.mark.slow
@@ -111,6 +113,7 @@ def test_train_agent_learns_the_maze(tmp_path):
     assert (out / "reward_curve_seed0.png").stat().st_size > 10_000
     assert set(summary["timings"]) == {"pretraining", "warm_start", "validation", "rollouts", "training"}
     assert "before" in stdout and "after" in stdout  # the printed table
+    assert "GRPO: 100%" in stdout and "validation: 100%" in stdout  # the live bars (gather's for validation)
 
 
 @pytest.mark.slow

@@ -289,3 +289,27 @@ def test_parse_scores_accepts_fences_and_prose() -> None:
 def test_parse_scores_rejects(text: str, match: str) -> None:
     with pytest.raises(JudgeOutputError, match=match):
         parse_scores(text, ["t1", "t2"])
+
+
+async def test_a_model_served_by_artrl_is_the_judge(tokenizer) -> None:
+    """The judge endpoint is artrl's own gateway (a real HTTP server; its engine's tokens are scripted): the
+    judge prompt goes through the chat template, the answer comes back as the assistant's content."""
+    from fakes import ScriptedEngine
+
+    from artrl.config import EngineConfig, GatewayConfig
+    from artrl.local.service import LocalService
+
+    engine = ScriptedEngine()
+    service = LocalService.serve("judge", None, tokenizer, engine, EngineConfig(), GatewayConfig())
+    try:
+        malformed = '{"scores": [{"trajectory_id": "t1", "score": 1}]}<|im_end|>'  # t2 missing: retried
+        good = answer(("t2", 0.25), ("t1", 1.0)) + "<|im_end|>"
+        engine.scripts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (malformed, good)]
+        judge = openai.AsyncOpenAI(base_url=service.base_url, api_key="x", max_retries=0)
+        scored = await ruler_score_group(group(2), judge=judge, model="judge", max_tokens=512)
+        assert scored is not None and [t.reward for t in scored] == [1.0, 0.25]
+        assert len(engine.prompts) == 2  # one call per attempt
+        sent = tokenizer.decode(engine.prompts[0])
+        assert sent.count("PREFIX-TASK-MARKER") == 1 and "SUFFIX-1-MARKER" in sent
+    finally:
+        service.server.stop()
