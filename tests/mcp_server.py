@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -38,6 +39,12 @@ async def slow(seconds: float) -> str:
     """Sleep, then answer."""
     await anyio.sleep(seconds)
     return "done"
+
+
+@server.tool()
+def crash() -> str:
+    """Kill the server process mid-call (a broken environment)."""
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def test_capture_store_limits_and_unknown_ids():
     store.add(a, {"n": 1})
     with pytest.raises(RequestError, match="already holds 1 records") as exc:
         store.check(a)
-    assert exc.value.status == 429
+    assert exc.value.status == 413  # permanent: not a 429 that clients retry
     assert store.close(a) == [{"n": 1}]
     with pytest.raises(RequestError, match="not open on this gateway") as exc:
         store.close(a)
@@ -133,3 +133,30 @@ def test_idle_captures_expire_to_make_room():
     with pytest.raises(RequestError):
         store.check(old)
     store.check(new)
+
+
+def test_idle_captures_expire_when_another_opens():
+    store = CaptureStore(idle_expiry_s=0.0)
+    stale = store.open()
+    fresh = store.open()  # the first one idled past the expiry
+    assert len(store) == 1
+    with pytest.raises(RequestError, match="not open"):
+        store.check(stale)
+    store.check(fresh)
+
+
+def test_an_aborted_call_does_not_lose_the_capture():
+    """The engine ends sequences it cuts off on close with finish_reason "abort", which the openai SDK's
+    Choice does not accept: it becomes "length" and the original is kept."""
+    choice = {
+        "index": 0,
+        "finish_reason": "abort",
+        "message": {"role": "assistant", "content": "par"},
+        "prompt_token_ids": [1, 2],
+        "token_ids": [3],
+        "token_logprobs": [-0.5],
+    }
+    traj = trajectory_from_records([{"messages": [{"role": "user", "content": "q"}], "choices": [choice]}])
+    (recorded,) = traj.choices()
+    assert recorded.finish_reason == "length" and recorded.artrl_finish_reason == "abort"
+    assert recorded.token_ids == [3]

@@ -65,7 +65,7 @@ async def test_tools_over_transport(transport: str, request: pytest.FixtureReque
     async with _connect(transport, url) as tools:
         # Schemas: OpenAI function tools, with the server's JSON schemas as parameters.
         schemas = {t["function"]["name"]: t for t in tools.openai_tools()}
-        assert set(schemas) == {"add", "lookup", "fail", "slow"}
+        assert set(schemas) == {"add", "lookup", "fail", "slow", "crash"}
         add = schemas["add"]
         assert add["type"] == "function"
         assert add["function"]["description"] == "Add two integers."
@@ -173,3 +173,10 @@ async def test_server_that_exits_raises() -> None:
         async with artrl.MCPTools.stdio(sys.executable, ["-c", "pass"], timeout=5):
             pass
     assert time.monotonic() - start < 10
+
+
+async def test_a_server_that_dies_raises_instead_of_answering_the_model():
+    """A dead server is a broken environment, not a tool error for the model to read: the call raises."""
+    async with artrl.MCPTools.stdio(sys.executable, [str(SERVER)], timeout=30) as tools:
+        with pytest.raises(ConnectionError, match="connection closed"):
+            await tools.call("crash", "{}", timeout=10)

@@ -70,6 +70,19 @@ class _Node:
         return nodes[::-1]
 
 
+_SDK_FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+
+
+def _choice(raw: dict[str, Any]) -> Choice:
+    """A recorded choice as the openai SDK's Choice. A finish reason the SDK does not know (the engine's
+    "abort": a sequence cut off when the engine closed) becomes "length", the original kept as
+    `artrl_finish_reason`, so that one such call does not lose the whole capture."""
+    reason = raw.get("finish_reason")
+    if reason not in _SDK_FINISH_REASONS:
+        raw = {**raw, "finish_reason": "length", "artrl_finish_reason": reason}
+    return Choice.model_validate(raw)
+
+
 def _nodes(records: list[dict[str, Any]]) -> list[_Node]:
     by_key: dict[tuple[str, ...], _Node] = {}  # request messages + assistant message → the latest such choice
     nodes: list[_Node] = []
@@ -80,7 +93,7 @@ def _nodes(records: list[dict[str, Any]]) -> list[_Node]:
             (by_key[request[:n]] for n in range(len(request), 0, -1) if request[:n] in by_key), None
         )
         for raw in record.get("choices") or []:
-            choice = Choice.model_validate(raw)
+            choice = _choice(raw)
             key = (*request, canonical_message(raw.get("message")))
             node = _Node(i, choice, messages, record.get("tools"), key)
             node.parent = parent

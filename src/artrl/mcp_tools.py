@@ -281,7 +281,7 @@ class MCPTools:
         result as text. Problems the model can act on come back as text starting with ``"Error: "`` (bad
         arguments, unknown tool, a tool error, a timeout after `timeout` seconds, a protocol error)."""
         from mcp.shared.exceptions import MCPError
-        from mcp.types import REQUEST_TIMEOUT
+        from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
         session = self.session
         if name not in self.names:
@@ -295,6 +295,8 @@ class MCPTools:
         try:
             result = await session.call_tool(name, args, read_timeout_seconds=limit)
         except MCPError as exc:
+            if exc.code == CONNECTION_CLOSED:  # the server is gone: not something for the model to read
+                raise ConnectionError(f"MCP server connection closed during tool {name!r}") from exc
             if exc.code == REQUEST_TIMEOUT:
                 return f"Error: tool {name!r} timed out after {limit:g} s"
             return f"Error: {exc.error.message}"

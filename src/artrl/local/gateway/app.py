@@ -109,7 +109,8 @@ def create_app(
             body = await _complete(serving, prepared)
         except EngineError as exc:
             return _error(500, f"the engine failed: {exc}", "engine_error")
-        record(body["choices"])
+        if not await request.is_disconnected():  # a client that gave up (and may retry) never saw it
+            record(body["choices"])
         return JSONResponse(body)
 
     @app.post("/v1/chat/completions")
@@ -204,6 +205,9 @@ async def _sse(
                 )
                 continue
             results.append(event)
+            if len(results) == prepared.request.n:  # before the last chunk goes out: a client that stops
+                # reading at finish_reason and leaves its capture block must still find the call recorded
+                record([_choice(serving, prepared, r) for r in sorted(results, key=lambda r: r.index)])
             content = event.message["content"] or ""
             if content.startswith(event.streamed_text) and len(content) > len(event.streamed_text):
                 delta["content"] = content[len(event.streamed_text) :]
@@ -222,7 +226,6 @@ async def _sse(
                     }
                 ]
             )
-        record([_choice(serving, prepared, r) for r in sorted(results, key=lambda r: r.index)])
         options = prepared.request.stream_options
         if options is not None and options.include_usage:
             yield chunk([], usage=_usage(prepared, results))

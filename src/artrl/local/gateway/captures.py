@@ -27,7 +27,8 @@ class _Capture:
 
 class CaptureStore:
     """Open captures by id. At most `max_open` at once (captures idle for `idle_expiry_s` are dropped to make
-    room); at most `max_records` records each (requests beyond are refused with a 4xx before generating)."""
+    room; checked whenever a capture opens); at most `max_records` records each (requests beyond are refused
+    with a 413 before generating)."""
 
     def __init__(
         self, max_open: int = 4096, max_records: int = 10_000, idle_expiry_s: float = 3600.0
@@ -38,10 +39,10 @@ class CaptureStore:
 
     def open(self) -> str:
         with self._lock:
-            if len(self._captures) >= self.max_open:
-                now = time.monotonic()
-                for key in [k for k, c in self._captures.items() if now - c.touched > self.idle_expiry_s]:
-                    del self._captures[key]
+            # captures a client never closed (a crashed process, a base_url user) expire after idling
+            now = time.monotonic()
+            for key in [k for k, c in self._captures.items() if now - c.touched > self.idle_expiry_s]:
+                del self._captures[key]
             if len(self._captures) >= self.max_open:
                 raise RequestError(
                     f"{self.max_open} captures are open: close some (leave their `artrl.capture` blocks) first",
@@ -74,7 +75,7 @@ class CaptureStore:
                     f"capture {capture_id!r} already holds {self.max_records} records, its limit",
                     param="capture",
                     code="capture_full",
-                    status=429,
+                    status=413,  # permanent: clients must not retry it as they retry a 429
                 )
 
     def add(self, capture_id: str, record: dict[str, Any]) -> None:
