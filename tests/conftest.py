@@ -43,3 +43,15 @@ def scripted(tokenizer):
     service = LocalService.serve("scripted", None, tokenizer, engine, EngineConfig(), GatewayConfig())
     yield engine, service.base_url
     service.server.stop()
+
+
+@pytest.fixture
+async def fresh_model(tiny_model_dir: Path, tmp_path: Path):
+    """The tiny model registered on its own LocalBackend (tests that train: the shared `served` stays put)."""
+    import artrl
+
+    backend = artrl.LocalBackend(path=tmp_path / "artrl")
+    model = artrl.TrainableModel(name="tiny", project="fresh", base_model=str(tiny_model_dir))
+    await model.register(backend)
+    yield model
+    await backend.close()

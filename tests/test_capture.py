@@ -70,21 +70,16 @@ async def test_unchanged_agent_through_model_client_is_captured(served, tokenize
     assert row.ids == last.prompt_token_ids + last.token_ids
 
 
-async def test_captured_trajectories_train(tiny_model_dir, tmp_path):
-    backend = artrl.LocalBackend(path=tmp_path / "artrl")
-    model = artrl.TrainableModel(name="tiny", project="capture", base_model=str(tiny_model_dir))
-    await model.register(backend)
-    try:
-        trajectories = []
-        for reward in (1.0, 0.0):
-            async with artrl.capture(model) as cap:
-                await agent(model.openai_client(), model.name, "Apples?", turns=2, seed=int(reward))
-            cap.trajectory.reward = reward
-            trajectories.append(cap.trajectory)
-        result = await model.train([artrl.TrajectoryGroup(trajectories)])
-        assert result.step == 1 and result.metrics["rows"] == 2
-    finally:
-        await backend.close()
+async def test_captured_trajectories_train(fresh_model):
+    model = fresh_model
+    trajectories = []
+    for reward in (1.0, 0.0):
+        async with artrl.capture(model) as cap:
+            await agent(model.openai_client(), model.name, "Apples?", turns=2, seed=int(reward))
+        cap.trajectory.reward = reward
+        trajectories.append(cap.trajectory)
+    result = await model.train([artrl.TrajectoryGroup(trajectories)])
+    assert result.step == 1 and result.metrics["rows"] == 2
 
 
 async def test_per_capture_base_url_records_any_client(served):

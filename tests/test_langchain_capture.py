@@ -88,30 +88,23 @@ async def test_langgraph_react_agent_is_captured_token_exact(scripted, tokenizer
     assert_continued(traj, tokenizer)
 
 
-async def test_langchain_chat_on_the_served_model_trains(
-    tiny_model_dir, tmp_path, tokenizer, no_token_counting
-):
-    backend = artrl.LocalBackend(path=tmp_path / "artrl")
-    model = artrl.TrainableModel(name="tiny", project="langchain", base_model=str(tiny_model_dir))
-    await model.register(backend)
-    try:
-        trajectories = []
-        for reward in (1.0, 0.0):
-            chat = artrl.langchain_chat_model(model, max_tokens=8, seed=int(reward))
-            async with artrl.capture(model) as cap:
-                messages = [HumanMessage("Apples?")]
-                messages.append(await chat.ainvoke(messages))
-                messages.append(HumanMessage("go on"))
-                messages.append(await chat.ainvoke(messages))
-            assert all(isinstance(m, AIMessage) for m in messages[1::2])
-            cap.trajectory.reward = reward
-            assert len(cap.trajectory.choices()) == 2
-            assert_continued(cap.trajectory, tokenizer)
-            trajectories.append(cap.trajectory)
-        result = await model.train([artrl.TrajectoryGroup(trajectories)])
-        assert result.step == 1 and result.metrics["rows"] == 2
-    finally:
-        await backend.close()
+async def test_langchain_chat_on_the_served_model_trains(fresh_model, tokenizer, no_token_counting):
+    model = fresh_model
+    trajectories = []
+    for reward in (1.0, 0.0):
+        chat = artrl.langchain_chat_model(model, max_tokens=8, seed=int(reward))
+        async with artrl.capture(model) as cap:
+            messages = [HumanMessage("Apples?")]
+            messages.append(await chat.ainvoke(messages))
+            messages.append(HumanMessage("go on"))
+            messages.append(await chat.ainvoke(messages))
+        assert all(isinstance(m, AIMessage) for m in messages[1::2])
+        cap.trajectory.reward = reward
+        assert len(cap.trajectory.choices()) == 2
+        assert_continued(cap.trajectory, tokenizer)
+        trajectories.append(cap.trajectory)
+    result = await model.train([artrl.TrajectoryGroup(trajectories)])
+    assert result.step == 1 and result.metrics["rows"] == 2
 
 
 async def test_sync_invoke_from_a_thread_is_captured(scripted, tokenizer, no_token_counting):
@@ -138,27 +131,20 @@ async def test_sync_invoke_from_a_thread_is_captured(scripted, tokenizer, no_tok
 
 
 @pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
-async def test_langgraph_react_agent_on_the_served_model_trains(
-    tiny_model_dir, tmp_path, tokenizer, no_token_counting
-):
+async def test_langgraph_react_agent_on_the_served_model_trains(fresh_model, tokenizer, no_token_counting):
     """The ReAct agent against the real embedded engine (random weights: it answers without a tool call;
     max_tokens=8 is too short for one), captured per rollout, trained as one group."""
-    backend = artrl.LocalBackend(path=tmp_path / "artrl")
-    model = artrl.TrainableModel(name="tiny", project="langgraph", base_model=str(tiny_model_dir))
-    await model.register(backend)
-    try:
-        trajectories = []
-        for reward in (1.0, 0.0):
-            agent = create_react_agent(
-                artrl.langchain_chat_model(model, max_tokens=8, seed=int(reward)), [lookup]
-            )
-            async with artrl.capture(model) as cap:
-                await agent.ainvoke({"messages": [("user", "How many apples?")]})
-            assert cap.trajectory.choices() and cap.trajectory.tools[0]["function"]["name"] == "lookup"
-            assert_continued(cap.trajectory, tokenizer)
-            cap.trajectory.reward = reward
-            trajectories.append(cap.trajectory)
-        result = await model.train([artrl.TrajectoryGroup(trajectories)])
-        assert result.step == 1 and result.metrics["rows"] == 2
-    finally:
-        await backend.close()
+    model = fresh_model
+    trajectories = []
+    for reward in (1.0, 0.0):
+        agent = create_react_agent(
+            artrl.langchain_chat_model(model, max_tokens=8, seed=int(reward)), [lookup]
+        )
+        async with artrl.capture(model) as cap:
+            await agent.ainvoke({"messages": [("user", "How many apples?")]})
+        assert cap.trajectory.choices() and cap.trajectory.tools[0]["function"]["name"] == "lookup"
+        assert_continued(cap.trajectory, tokenizer)
+        cap.trajectory.reward = reward
+        trajectories.append(cap.trajectory)
+    result = await model.train([artrl.TrajectoryGroup(trajectories)])
+    assert result.step == 1 and result.metrics["rows"] == 2

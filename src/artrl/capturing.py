@@ -87,6 +87,12 @@ def tag_request(request: httpx.Request) -> None:
     _tag(request)
 
 
+def needs_tls(url: str) -> bool:
+    """httpx's `verify` for a gateway URL: a plain-http gateway (the local default) needs no TLS, and
+    skipping the CA bundle saves ~65 ms per httpx client."""
+    return not str(url).startswith("http://")
+
+
 def _check(response: httpx.Response, action: str) -> dict[str, Any]:
     if response.status_code >= 400:
         try:
@@ -108,9 +114,7 @@ async def capture(model: TrainableModel, *, timeout: float = 30.0) -> AsyncItera
     gateway_url = model.inference_base_url.rstrip("/")
     api_key = model.inference_api_key
     headers = {"Authorization": f"Bearer {api_key}"}
-    # a plain-http gateway (the local default) needs no TLS: skipping the CA bundle saves ~65 ms per capture
-    verify = not gateway_url.startswith("http://")
-    async with httpx.AsyncClient(timeout=timeout, headers=headers, verify=verify) as http:
+    async with httpx.AsyncClient(timeout=timeout, headers=headers, verify=needs_tls(gateway_url)) as http:
         opened = _check(await http.post(f"{gateway_url}/captures"), "open a capture")
         cap = Capture(opened["id"], gateway_url, api_key)
         token = _active.set((*_active.get(), cap))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from artrl.capturing import tag_request, tag_request_async
+from artrl.capturing import needs_tls, tag_request, tag_request_async
 
 if TYPE_CHECKING:
     from langchain_openai import ChatOpenAI
@@ -43,8 +43,7 @@ def langchain_chat_model(model: Any, **kwargs: Any) -> ChatOpenAI:
     max_retries = getattr(client_config, "max_retries", None)
     if max_retries is not None:
         options["max_retries"] = max_retries
-    # a plain-http gateway (the local default) needs no TLS: skipping the CA bundle saves ~65 ms per client
-    verify = not str(base_url).startswith("http://")
+    verify = needs_tls(base_url)
     if "http_async_client" not in kwargs:
         options["http_async_client"] = httpx.AsyncClient(
             event_hooks={"request": [tag_request_async]}, timeout=timeout, verify=verify

@@ -109,8 +109,8 @@ def create_app(
             body = await _complete(serving, prepared)
         except EngineError as exc:
             return _error(500, f"the engine failed: {exc}", "engine_error")
-        if not await request.is_disconnected():  # a client that gave up (and may retry) never saw it
-            record(body["choices"])
+        if capture_id is not None and not await request.is_disconnected():
+            record(body["choices"])  # not a call whose client gave up (and may retry): it never saw it
         return JSONResponse(body)
 
     @app.post("/v1/chat/completions")
