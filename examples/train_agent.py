@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import json
@@ -39,6 +40,14 @@ import maze_env as env
 import tool_reading
 
 TARGET_GAIN = 0.30  # the gain in validation success the demo must show (issue 4)
+# per-step train metrics kept in the summary: the train/inference mismatch monitor and the step's phases
+MONITORED = (
+    "logprob_mismatch_mean",
+    "logprob_mismatch_max",
+    "logprob_mismatch_fraction",
+    "train_seconds",
+    "weight_sync_seconds",
+)
 
 
 async def evaluate(model: artrl.TrainableModel, scenarios: list[env.Scenario]) -> dict[str, float]:
@@ -144,7 +153,7 @@ def plot(history: list[dict], val_points: list[tuple[int, float, float]], out: P
 async def main(args: argparse.Namespace) -> dict:
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    async with artrl.LocalBackend(path=args.path) as backend:
+    async with artrl.LocalBackend(path=args.path) as backend, contextlib.AsyncExitStack() as stack:
         t = time.perf_counter()
         base_model = args.base_model or await pretrained_tiny_model(backend, args)
         timings["pretraining"] = 0.0 if args.base_model else time.perf_counter() - t
@@ -155,7 +164,15 @@ async def main(args: argparse.Namespace) -> dict:
         name = f"maze-seed{args.seed}-{int(time.time())}"
         lora = artrl.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
         model = artrl.TrainableModel(name=name, project="maze", base_model=warm, lora=lora)
-        await model.register(backend)
+        # the SFT stages above only train (embedded engine); the RL model's rollouts run on --engine
+        rl_backend = backend
+        if args.engine != "hf":
+            rl_backend = await stack.enter_async_context(
+                artrl.LocalBackend(path=args.path, engine=args.engine)
+            )
+        t = time.perf_counter()
+        await model.register(rl_backend)
+        timings["register"] = time.perf_counter() - t
         val = env.scenarios("val", args.val_size, 0)
         t = time.perf_counter()
         before = await evaluate(model, val)
@@ -186,7 +203,14 @@ async def main(args: argparse.Namespace) -> dict:
             result = await model.train(groups, config=config)
             timings["training"] += time.perf_counter() - t
             success = sum(tr.metrics["success"] for g in groups for tr in g) / sum(len(g) for g in groups)
-            history.append({"step": step + 1, "reward": result.metrics["reward_mean"], "success": success})
+            history.append(
+                {
+                    "step": step + 1,
+                    "reward": result.metrics["reward_mean"],
+                    "success": success,
+                    **{k: result.metrics[k] for k in MONITORED if k in result.metrics},
+                }
+            )
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                 t = time.perf_counter()
                 metrics = await evaluate(model, val)
@@ -205,7 +229,9 @@ async def main(args: argparse.Namespace) -> dict:
     total = time.perf_counter() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot(history, val_points, out / f"reward_curve_seed{args.seed}.png", f"maze agent, seed {args.seed}")
+    tag = f"seed{args.seed}" + ("" if args.engine == "hf" else f"_{args.engine}")
+    curve = out / f"reward_curve_{tag}.png"
+    plot(history, val_points, curve, f"maze agent, seed {args.seed}, engine {args.engine}")
     print(f"\n{f'validation ({len(val)} unseen mazes)':<40}{'before':>10}{'after':>10}")
     for key in ("success", "reward", "moves"):
         print(f"{key:<40}{before[key]:>10.2f}{after[key]:>10.2f}")
@@ -213,10 +239,11 @@ async def main(args: argparse.Namespace) -> dict:
     # the first validation point 30 points of success rate above the warm start (None: not reached)
     at_target = next((s for s, v, _ in val_points if v - before["success"] >= TARGET_GAIN), None)
     print(f"validation success +{TARGET_GAIN:.2f} first seen at step: {at_target}")
-    print(f"curve: {out / f'reward_curve_seed{args.seed}.png'}")
+    print(f"curve: {curve}")
     summary = {
         "steps_to_target": at_target,
         "seed": args.seed,
+        "engine": args.engine,
         "before": before,
         "after": after,
         "timings": timings,
@@ -224,7 +251,7 @@ async def main(args: argparse.Namespace) -> dict:
         "val_points": val_points,
         "history": history,
     }
-    (out / f"summary_seed{args.seed}.json").write_text(json.dumps(summary, indent=2))
+    (out / f"summary_{tag}.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -256,6 +283,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.3,
         help="how often the warm-start walker goes toward the breeze (otherwise a random direction)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="rollout engine of the RL stage: embedded, or vLLM (needs `bash scripts/setup_vllm.sh`)",
     )
     parser.add_argument("--path", default=".artrl")
     parser.add_argument("--out", default="demo_output")

@@ -111,23 +111,31 @@ def test_train_agent_learns_the_maze(tmp_path):
     assert after["reward"] - before["reward"] >= 0.15
     assert len(summary["history"]) == 12 and [p[0] for p in summary["val_points"]] == [0, 6, 12]
     assert (out / "reward_curve_seed0.png").stat().st_size > 10_000
-    assert set(summary["timings"]) == {"pretraining", "warm_start", "validation", "rollouts", "training"}
+    assert set(summary["timings"]) == {
+        *("pretraining", "warm_start", "register", "validation", "rollouts", "training")
+    }
+    assert all("logprob_mismatch_max" in h for h in summary["history"])  # the monitor, per step
     assert "before" in stdout and "after" in stdout  # the printed table
     assert "GRPO: 100%" in stdout and "validation: 100%" in stdout  # the live bars (gather's for validation)
 
 
 @pytest.mark.slow
-def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path, engine):
     """--base-model with a locally built folder standing in for a hub model: no pretraining stand-in, the
-    warm start fine-tunes that folder, then GRPO runs, without code changes."""
+    warm start fine-tunes that folder, then GRPO runs, without code changes; on either rollout engine."""
     out = tmp_path / "out"
     run_train_agent(
         *("--base-model", str(tiny_model_dir), "--path", str(tmp_path / "artrl"), "--out", str(out)),
         *("--steps", "1", "--val-size", "4", "--sft-examples", "32", "--eval-every", "0"),
-        *("--groups-per-step", "2", "--group-size", "2"),
+        *("--groups-per-step", "2", "--group-size", "2", "--engine", engine),
         timeout=600,
     )
-    summary = json.loads((out / "summary_seed0.json").read_text())
+    tag = "seed0" if engine == "hf" else f"seed0_{engine}"
+    summary = json.loads((out / f"summary_{tag}.json").read_text())
+    assert summary["engine"] == engine and (out / f"reward_curve_{tag}.png").exists()
     assert len(summary["history"]) == 1 and summary["timings"]["pretraining"] == 0.0
+    # engine and trainer agree (fp32); absent when both groups tied (no rows to train)
+    assert summary["history"][0].get("logprob_mismatch_mean", 0.0) < 1e-3
     models = sorted(p.name for p in (tmp_path / "artrl" / "models").iterdir())
     assert len(models) == 1 and models[0].startswith("maze-warm-")  # no tiny model built, no pretraining

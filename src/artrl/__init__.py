@@ -15,6 +15,7 @@ from artrl.config import (
     SFTConfig,
     TinyModelConfig,
     TrainConfig,
+    VLLMConfig,
 )
 from artrl.dataset import DatasetBatch, iterate_dataset
 from artrl.gather import GatherError, gather_trajectories, gather_trajectory_groups
@@ -44,6 +45,7 @@ __all__ = [
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
+    "VLLMConfig",
     "build_tiny_model",
     "capture",
     "ensure_tiny_model",

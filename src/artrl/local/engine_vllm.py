@@ -93,6 +93,7 @@ class VLLMEngine:
         self._max_context = max_context
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._closed = False
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def max_context(self) -> int:
@@ -106,7 +107,8 @@ class VLLMEngine:
         streams = [SequenceStream(loop) for _ in range(n)]
         body = completion_request(self.target, prompt_ids, params, n)
         task = loop.create_task(self._run(body, streams))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors reach the streams
+        self._tasks.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._tasks.discard)
         return streams
 
     def _client(self) -> httpx.AsyncClient:
@@ -144,10 +146,11 @@ class VLLMEngine:
                             continue
                         chunk = json.loads(line[6:])
                         if "error" in chunk:
-                            raise EngineError(f"vLLM failed mid-stream: {chunk['error']}")
+                            where = f" (its log: {self.server.log_path})" if self.server else ""
+                            raise EngineError(f"vLLM failed mid-stream{where}: {chunk['error']}")
                         for choice in chunk.get("choices", []):
                             i = choice["index"]
-                            if ended[i]:
+                            if ended[i] or streams[i].aborted:
                                 continue
                             for token in choice_tokens(choice, top_k):
                                 streams[i].push(token)
@@ -161,7 +164,7 @@ class VLLMEngine:
             raise
         except EngineError as exc:
             end_all("error", str(exc))
-        except (httpx.HTTPError, TimeoutError, json.JSONDecodeError, KeyError, ValueError) as exc:
+        except Exception as exc:  # whatever went wrong, every stream ends: a consumer never hangs
             end_all("error", self._explain(exc))
 
     def _explain(self, exc: BaseException) -> str:

@@ -204,6 +204,7 @@ def start_vllm_server(
         tokenizer=base_model if full_weights else None,
         lora_rank=lora.rank if lora else None,
         dtype=str(pick_dtype(engine_config, pick_device(engine_config))).removeprefix("torch."),
+        on_cpu=pick_device(engine_config).type == "cpu",
     )
 
 

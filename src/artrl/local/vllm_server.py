@@ -93,6 +93,7 @@ class VLLMServer:
         tokenizer: str | None = None,
         lora_rank: int | None = None,
         dtype: str = "auto",
+        on_cpu: bool = False,
     ) -> VLLMServer:
         python = find_vllm_python(config.python)
         port = free_port()
@@ -108,6 +109,9 @@ class VLLMServer:
         if lora_rank is not None:
             rank = config.max_lora_rank or lora_rank_limit(lora_rank)
             args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(config.lora_window)]
+        chunked = config.chunked_prefill if config.chunked_prefill is not None else not on_cpu
+        if not chunked:  # every prompt in one step: the budget must hold the longest
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 8192))]
         if config.gpu_memory_utilization is not None:
             args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
         if config.sleep_while_training:
@@ -120,6 +124,7 @@ class VLLMServer:
                 "VLLM_CPU_KVCACHE_SPACE", f"{config.cpu_kv_cache_gib:g}"
             ),
             "PYTHONUNBUFFERED": "1",
+            **config.env,
         }
         if config.sleep_while_training:
             env["VLLM_SERVER_DEV_MODE"] = "1"
