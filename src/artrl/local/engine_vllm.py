@@ -213,8 +213,9 @@ class VLLMEngine:
         self.base_url = self.server.base_url
 
     async def sleep(self) -> None:
-        """GPU sharing: free vLLM's GPU memory (level 1: weights to CPU, KV cache dropped) for training."""
-        await self._admin("/sleep?level=1")
+        """GPU sharing: free vLLM's GPU memory (level 1: weights to CPU, KV cache dropped) for training.
+        Requests in flight finish first (`mode=wait`); new ones wait for `wake_up`."""
+        await self._admin("/sleep?level=1&mode=wait")
 
     async def wake_up(self) -> None:
         await self._admin("/wake_up")

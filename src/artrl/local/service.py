@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,10 +130,18 @@ class LocalService:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._training_thread, fn)
 
-    async def before_training(self) -> None:
-        """Free the accelerator for the trainer where the user shares one GPU (VLLMConfig.sleep_while_training)."""
-        if isinstance(self.engine, VLLMEngine) and self.engine.config.sleep_while_training:
+    @contextlib.asynccontextmanager
+    async def training(self) -> AsyncIterator[None]:
+        """Around a training step: where the user shares one GPU between vLLM and the trainer
+        (VLLMConfig.sleep_while_training), vLLM sleeps inside the block and wakes up after it, failed or not."""
+        sleeps = isinstance(self.engine, VLLMEngine) and self.engine.config.sleep_while_training
+        if sleeps:
             await self.engine.sleep()
+        try:
+            yield
+        finally:
+            if sleeps:
+                await self.engine.wake_up()
 
     async def weights_updated(self, step: int, checkpoint: Path) -> None:
         """The trainer published `checkpoint`: make the engine generate with it from the next request on.
@@ -141,8 +150,6 @@ class LocalService:
         full fine-tuning, restarts on the checkpoint."""
         if not isinstance(self.engine, VLLMEngine):
             return
-        if self.engine.config.sleep_while_training:
-            await self.engine.wake_up()
         if self.trainer is not None and self.trainer.has_adapter:
             await self.engine.load_adapter(f"{self.engine.served_name}@{step}", str(checkpoint))
         else:
