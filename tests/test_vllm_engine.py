@@ -61,6 +61,96 @@ def test_streamed_choice_gives_ids_logprobs_and_the_k_best_alternatives():
     assert [t.token_id for t in choice_tokens(chunk, top_k=0)] == [5, 7]
 
 
+# ---------------------------------------------------------------- the engine over a fake vLLM (no server)
+def sse(*chunks: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+def choice(index: int, ids: list[int], finish: str | None) -> dict:
+    return {
+        "choices": [
+            {
+                "index": index,
+                "token_ids": ids,
+                "logprobs": {"token_logprobs": [-0.5] * len(ids), "top_logprobs": [None] * len(ids)},
+                "finish_reason": finish,
+            }
+        ]
+    }
+
+
+def fake_vllm_engine(handler) -> tuple[VLLMEngine, list[dict]]:
+    """A VLLMEngine whose HTTP client talks to `handler` (an httpx MockTransport) instead of a server."""
+    engine = VLLMEngine("http://vllm.invalid", "m", 2048, VLLMConfig(request_timeout_s=30), None)
+    bodies: list[dict] = []
+
+    def record(request: httpx.Request):
+        bodies.append(json.loads(request.content))
+        return handler(request)
+
+    engine._clients[asyncio.get_running_loop()] = httpx.AsyncClient(transport=httpx.MockTransport(record))
+    return engine, bodies
+
+
+async def collect(stream) -> list[int]:
+    return [t.token_id async for t in stream]
+
+
+async def test_greedy_n_asks_vllm_for_one_sequence_and_copies_it():
+    engine, bodies = fake_vllm_engine(
+        lambda r: httpx.Response(200, content=sse(choice(0, [4, 5, 2], "stop")))
+    )
+    streams = engine.generate([1, 2], SamplingParams(max_tokens=5, temperature=0.0), n=3)
+    assert [await collect(s) for s in streams] == [[4, 5, 2]] * 3
+    assert all(s.finish_reason == "stop" for s in streams) and bodies[0]["n"] == 1
+    await engine.close()
+
+
+async def test_a_server_side_abort_or_a_cut_stream_is_an_error_not_a_short_answer():
+    from artrl.local.engine import EngineError
+
+    for chunks in ((choice(0, [4], None), choice(0, [5], "abort")), (choice(0, [4], None),)):
+        engine, _ = fake_vllm_engine(lambda r, chunks=chunks: httpx.Response(200, content=sse(*chunks)))
+        (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
+        with pytest.raises(EngineError, match=r"abort|without a finish reason"):
+            await collect(stream)
+        await engine.close()
+    engine, _ = fake_vllm_engine(lambda r: httpx.Response(400, text="max_tokens is too large"))
+    (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
+    with pytest.raises(EngineError, match="400: max_tokens is too large"):
+        await collect(stream)
+    await engine.close()
+
+
+async def test_a_consumer_that_goes_away_cancels_the_request_without_waiting_for_a_token():
+    closed = asyncio.Event()
+
+    class Silent(httpx.AsyncByteStream):  # vLLM busy elsewhere: no token for a long while
+        async def __aiter__(self):
+            await asyncio.sleep(60)
+            yield b""
+
+        async def aclose(self) -> None:
+            closed.set()
+
+    engine, _ = fake_vllm_engine(lambda r: httpx.Response(200, stream=Silent()))
+    (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
+    await asyncio.sleep(0.1)
+    stream.abort()
+    await asyncio.wait_for(closed.wait(), timeout=2)  # the connection to vLLM is closed
+    await engine.close()
+
+
+async def test_full_finetuning_on_a_server_artrl_did_not_start_is_refused_at_register(
+    tiny_model_dir, tmp_path
+):
+    backend = artrl.LocalBackend(path=tmp_path, engine="vllm", vllm_url="http://127.0.0.1:9")
+    model = artrl.TrainableModel(name="full", project="u", base_model=str(tiny_model_dir), lora=None)
+    with pytest.raises(ValueError, match="cannot reload the weights"):
+        await model.register(backend)
+    await backend.close()
+
+
 # ---------------------------------------------------------------- a served model on vLLM
 async def rollouts(model, rewards: list[float]) -> artrl.TrajectoryGroup:
     client = model.openai_client()

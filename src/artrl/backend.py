@@ -198,10 +198,12 @@ class LocalBackend:
     ) -> None:
         row = {"step": step, "split": split, "time": time.time(), **metrics}
         await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
-        append_history(directory, row)
-        started = time.time()
-        await service.weights_updated(step, checkpoint_dir(directory, step))
-        metrics["weight_sync_seconds"] = time.time() - started
+        try:  # the engine serves the new weights from the next request on (vLLM: the adapter hot-load)
+            started = time.time()
+            await service.weights_updated(step, checkpoint_dir(directory, step))
+            row["weight_sync_seconds"] = metrics["weight_sync_seconds"] = time.time() - started
+        finally:
+            append_history(directory, row)  # the step is saved whether or not the engine took it
 
     @staticmethod
     def _save_checkpoint(service: LocalService, directory, step: int, history_row: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ step's checkpoint (a supervised server only).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from artrl.local.vllm_server import VLLMServer
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_ABORT_POLL_S = 0.25  # how often an in-flight request checks whether its consumers all went away
 
 
 def completion_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
@@ -87,6 +86,7 @@ class VLLMEngine:
         self.base_url = base_url.rstrip("/")
         self.served_name = served_name  # the base model's name on the vLLM server
         self.target = served_name  # what requests ask vLLM for: the base, or the latest adapter
+        self.adapter_prefix = served_name  # adapters are `{prefix}@{step}`: the artrl model's name
         self.config = config
         self.server = server
         self.loaded: list[str] = []  # adapters loaded by us, oldest first
@@ -105,7 +105,8 @@ class VLLMEngine:
             raise RuntimeError("engine is closed")
         loop = asyncio.get_running_loop()
         streams = [SequenceStream(loop) for _ in range(n)]
-        body = completion_request(self.target, prompt_ids, params, n)
+        # vLLM refuses n > 1 for greedy sampling: one greedy sequence is every sequence
+        body = completion_request(self.target, prompt_ids, params, 1 if params.temperature == 0 else n)
         task = loop.create_task(self._run(body, streams))
         self._tasks.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._tasks.discard)
@@ -121,8 +122,8 @@ class VLLMEngine:
         return client
 
     async def _run(self, body: dict[str, Any], streams: list[SequenceStream]) -> None:
+        """Stream one completions request into `streams`; every stream ends, whatever happens."""
         ended = [False] * len(streams)
-        top_k = body["logprobs"]
 
         def end_all(reason: str, error: str | None = None) -> None:
             for i, stream in enumerate(streams):
@@ -130,42 +131,58 @@ class VLLMEngine:
                     ended[i] = True
                     stream.end(reason, error)  # type: ignore[arg-type]
 
+        reader = asyncio.ensure_future(self._read(body, streams, ended))
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                async with self._client().stream(
-                    "POST", f"{self.base_url}/v1/completions", json=body
-                ) as response:
-                    if response.status_code != 200:
-                        await response.aread()
-                        raise EngineError(f"vLLM answered {response.status_code}: {response.text[:2000]}")
-                    async for line in response.aiter_lines():
-                        if all(s.aborted for s in streams):
-                            end_all("abort")
-                            return  # leaving the block closes the connection: vLLM aborts the request
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            where = f" (its log: {self.server.log_path})" if self.server else ""
-                            raise EngineError(f"vLLM failed mid-stream{where}: {chunk['error']}")
-                        for choice in chunk.get("choices", []):
-                            i = choice["index"]
-                            if ended[i] or streams[i].aborted:
-                                continue
-                            for token in choice_tokens(choice, top_k):
-                                streams[i].push(token)
-                            reason = choice.get("finish_reason")
-                            if reason is not None:
-                                ended[i] = True
-                                streams[i].end(_FINISH.get(reason, "stop"))  # type: ignore[arg-type]
-            end_all("length")  # the stream ended without a finish reason
+            while not reader.done():  # a consumer that went away frees vLLM's slot now, not at the next token
+                await asyncio.wait([reader], timeout=_ABORT_POLL_S)
+                if not reader.done() and all(s.aborted for s in streams):
+                    reader.cancel()
+                    await asyncio.wait([reader])
+                    end_all("abort")
+                    return
+            reader.result()
+            end_all("error", "vLLM's stream ended without a finish reason")
         except asyncio.CancelledError:
+            reader.cancel()
             end_all("abort")
             raise
         except EngineError as exc:
             end_all("error", str(exc))
         except Exception as exc:  # whatever went wrong, every stream ends: a consumer never hangs
             end_all("error", self._explain(exc))
+
+    async def _read(self, body: dict[str, Any], streams: list[SequenceStream], ended: list[bool]) -> None:
+        top_k = body["logprobs"]
+        fan_out = body["n"] < len(streams)  # greedy: choice 0 feeds every stream
+        url = f"{self.base_url}/v1/completions"
+        async with asyncio.timeout(self.config.request_timeout_s):
+            async with self._client().stream("POST", url, json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise EngineError(f"vLLM answered {response.status_code}: {response.text[:2000]}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        where = f" (its log: {self.server.log_path})" if self.server else ""
+                        raise EngineError(f"vLLM failed mid-stream{where}: {chunk['error']}")
+                    for choice in chunk.get("choices", []):
+                        targets = range(len(streams)) if fan_out else [choice["index"]]
+                        tokens = choice_tokens(choice, top_k)
+                        reason = choice.get("finish_reason")
+                        if reason == "abort":  # not ours (ours close the connection): a shutdown or pause
+                            raise EngineError("vLLM aborted the request (its server is stopping or paused)")
+                        for i in targets:
+                            if ended[i] or streams[i].aborted:
+                                continue
+                            for token in tokens:
+                                streams[i].push(token)
+                            if reason is not None:
+                                ended[i] = True
+                                streams[i].end("length" if reason == "length" else "stop")
+                    if all(ended):
+                        return
 
     def _explain(self, exc: BaseException) -> str:
         if self.server is not None and not self.server.alive:
@@ -190,7 +207,11 @@ class VLLMEngine:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a PEFT adapter folder as `name`, send new requests to it, unload beyond the window."""
-        await self._admin("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        # in place: a server that outlived an earlier run may hold the name already
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        await self._admin("/v1/load_lora_adapter", body)
+        if name in self.loaded:
+            self.loaded.remove(name)
         self.loaded.append(name)
         self.target = name
         while len(self.loaded) > self.config.lora_window:
@@ -224,11 +245,13 @@ class VLLMEngine:
         self._closed = True
         clients, self._clients = self._clients, {}
         here = asyncio.get_running_loop()
-        for loop, client in clients.items():
-            with contextlib.suppress(Exception):
+        try:
+            for loop, client in clients.items():
                 if loop is here:
                     await client.aclose()
-                elif loop.is_running():  # the gateway's loop, in its own thread
-                    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.aclose(), loop))
-        if self.server is not None:
-            await asyncio.to_thread(self.server.stop)
+                elif loop.is_running():  # the gateway's loop, in its own thread; it may stop meanwhile
+                    done = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.aclose(), loop))
+                    await asyncio.wait([done], timeout=5)
+        finally:
+            if self.server is not None:
+                await asyncio.to_thread(self.server.stop)

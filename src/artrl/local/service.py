@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig
-from artrl.local.engine import Engine
+from artrl.local.engine import Engine, EngineError
 from artrl.local.engine_hf import HFEngine
 from artrl.local.engine_vllm import VLLMEngine
 from artrl.local.gateway.app import create_app
@@ -30,6 +31,7 @@ from artrl.local.trainer import Trainer, attach_adapter
 from artrl.local.vllm_server import VLLMServer
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,14 +136,18 @@ class LocalService:
     async def training(self) -> AsyncIterator[None]:
         """Around a training step: where the user shares one GPU between vLLM and the trainer
         (VLLMConfig.sleep_while_training), vLLM sleeps inside the block and wakes up after it, failed or not."""
-        sleeps = isinstance(self.engine, VLLMEngine) and self.engine.config.sleep_while_training
-        if sleeps:
-            await self.engine.sleep()
+        engine = self.engine
+        if not (isinstance(engine, VLLMEngine) and engine.config.sleep_while_training):
+            yield
+            return
         try:
+            await engine.sleep()
             yield
         finally:
-            if sleeps:
-                await self.engine.wake_up()
+            try:  # a failure here must not cost the step its checkpoint: weights_updated wakes it again
+                await engine.wake_up()
+            except EngineError as exc:
+                log.warning("vLLM did not wake up after training: %s", exc)
 
     async def weights_updated(self, step: int, checkpoint: Path) -> None:
         """The trainer published `checkpoint`: make the engine generate with it from the next request on.
@@ -150,8 +156,10 @@ class LocalService:
         full fine-tuning, restarts on the checkpoint."""
         if not isinstance(self.engine, VLLMEngine):
             return
+        if self.engine.config.sleep_while_training:
+            await self.engine.wake_up()  # awake already, unless waking after training failed
         if self.trainer is not None and self.trainer.has_adapter:
-            await self.engine.load_adapter(f"{self.engine.served_name}@{step}", str(checkpoint))
+            await self.engine.load_adapter(f"{self.engine.adapter_prefix}@{step}", str(checkpoint))
         else:
             restart = self._restart_vllm
             await self.engine.reload_weights(None if restart is None else lambda: restart(checkpoint))
@@ -174,13 +182,18 @@ def start_vllm_engine(
 ) -> VLLMEngine:
     """Start (or connect to) vLLM serving base_model, with the adapter of `resume_from` loaded if any."""
     config = engine_config.vllm
+    if config.url is not None and lora is None:
+        raise ValueError(
+            "full fine-tuning (lora=None) with a vLLM server artrl did not start (vllm_url) cannot reload the "
+            "weights after a step; train a LoRA, or let artrl start the server"
+        )
     server = None
     if config.url is None:
         server = start_vllm_server(
             served_name, base_model, engine_config, max_context, lora, resume_from, log_dir
         )
     engine = VLLMEngine(server.base_url if server else config.url, served_name, max_context, config, server)
-    if config.url is not None:
+    if config.url is not None:  # requests name the server's base model; adapters keep our model's name
         engine.served_name = engine.target = served_model_of(config.url, config)
     if lora is not None and resume_from is not None:
         try:

@@ -123,10 +123,11 @@ class Trainer:
             totals["clipped"] += terms.clipped_tokens
             totals["kl"] += terms.kl
             totals["ratio"] += terms.ratio
-            totals["mismatch"] += terms.mismatch
-            totals["mismatch_max"] = max(totals["mismatch_max"], terms.mismatch_max)
-            totals["mismatch_over"] += terms.mismatch_over
-            totals["known"] += terms.known
+            if totals["optimizer_steps"] == 0:  # the monitor: before this call changed the weights
+                totals["mismatch"] += terms.mismatch
+                totals["mismatch_max"] = max(totals["mismatch_max"], terms.mismatch_max)
+                totals["mismatch_over"] += terms.mismatch_over
+                totals["known"] += terms.known
             return terms.loss
 
         order = list(range(len(batch.rows)))

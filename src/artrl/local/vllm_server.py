@@ -25,17 +25,23 @@ from artrl.config import VLLMConfig
 # Runs in vLLM's interpreter: start the server as a child, end the whole group when the parent goes away.
 _WATCHDOG = """
 import os, signal, subprocess, sys, time
-parent = int(sys.argv[1])
-child = subprocess.Popen(sys.argv[2:])
-def end(*_):
-    os.killpg(0, signal.SIGTERM)
-signal.signal(signal.SIGTERM, lambda *_: (child.terminate(), child.wait(), sys.exit(0)))
+parent, grace = int(sys.argv[1]), float(sys.argv[2])
+child = subprocess.Popen(sys.argv[3:])
+def stop(*_):
+    child.terminate()  # the server shuts its engine down in order
+    try:
+        child.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    os.killpg(0, signal.SIGKILL)  # whatever is left of the group, this watchdog included
+signal.signal(signal.SIGTERM, stop)
 while child.poll() is None:
     if os.getppid() != parent:
-        end()
+        stop()
     time.sleep(0.5)
 sys.exit(child.returncode)
 """
+_STOP_GRACE_S = 20.0  # a server asked to stop gets this long before SIGKILL
 
 
 class VLLMStartError(RuntimeError):
@@ -135,7 +141,7 @@ class VLLMServer:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
             log.flush()
             process = subprocess.Popen(
-                [python, "-c", _WATCHDOG, str(os.getpid()), *args],
+                [python, "-c", _WATCHDOG, str(os.getpid()), str(_STOP_GRACE_S), *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -189,7 +195,7 @@ class VLLMServer:
         self._finalizer()
 
 
-def _end_group(process: subprocess.Popen, grace_s: float = 20.0) -> None:
+def _end_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S + 5) -> None:
     """Ask the watchdog to stop the server (which shuts its engine down in order), then SIGKILL whatever of
     the process group is left after grace_s."""
     try:
