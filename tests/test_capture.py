@@ -10,21 +10,11 @@ import types
 import httpx
 import openai
 import pytest
+from test_continuation_golden import TOOLS  # the shop's one tool, as the golden transcripts render it
 
 import artrl
 from artrl.config import EngineConfig, GatewayConfig
 from artrl.local.rows import trajectory_rows
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "lookup",
-            "description": "stock of an item",
-            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
-        },
-    }
-]
 
 
 async def agent(

@@ -81,12 +81,18 @@ class VLLMEngine:
     """The Engine contract over a vLLM server (one started by artrl, or one at `config.url`)."""
 
     def __init__(
-        self, base_url: str, served_name: str, max_context: int, config: VLLMConfig, server: VLLMServer | None
+        self,
+        base_url: str,
+        served_name: str,
+        model_name: str,
+        max_context: int,
+        config: VLLMConfig,
+        server: VLLMServer | None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.served_name = served_name  # the base model's name on the vLLM server
         self.target = served_name  # what requests ask vLLM for: the base, or the latest adapter
-        self.adapter_prefix = served_name  # adapters are `{prefix}@{step}`: the artrl model's name
+        self.model_name = model_name  # the artrl model's name: adapters are `{model_name}@{step}`
         self.config = config
         self.server = server
         self.loaded: list[str] = []  # adapters loaded by us, oldest first
@@ -205,8 +211,10 @@ class VLLMEngine:
             raise EngineError(f"vLLM {path} answered {response.status_code}: {response.text[:2000]}")
         return response
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter folder as `name`, send new requests to it, unload beyond the window."""
+    async def load_adapter(self, step: int, path: str) -> None:
+        """Load a step's PEFT adapter folder as `{model}@{step}`, send new requests to it, unload beyond the
+        window."""
+        name = f"{self.model_name}@{step}"
         # in place: a server that outlived an earlier run may hold the name already
         body = {"lora_name": name, "lora_path": path, "load_inplace": True}
         await self._admin("/v1/load_lora_adapter", body)

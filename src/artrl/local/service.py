@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from artrl.config import EngineConfig, GatewayConfig, LoraConfig
+from artrl.config import EngineConfig, GatewayConfig, LoraConfig, VLLMConfig
 from artrl.local.engine import Engine, EngineError
 from artrl.local.engine_hf import HFEngine
 from artrl.local.engine_vllm import VLLMEngine
@@ -43,7 +43,7 @@ class LocalService:
     trainer: Trainer | None = None
     max_context: int = 0
     _training_thread: ThreadPoolExecutor | None = None  # the vLLM engine: training runs here
-    _restart_vllm: Callable[[Path], VLLMServer] | None = None  # full fine-tuning: a server on a checkpoint
+    _vllm: VLLMLaunch | None = None  # how vLLM was started (full fine-tuning restarts it on a checkpoint)
 
     @property
     def base_url(self) -> str:
@@ -71,10 +71,10 @@ class LocalService:
         if resume_from is not None:
             trainer.load(str(resume_from))
         max_context = context_length(model, engine_config)
+        launch = None
         if engine_config.kind == "vllm":
-            engine: Engine = start_vllm_engine(
-                served_name, base_model, engine_config, max_context, lora, resume_from, log_dir
-            )
+            launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
+            engine: Engine = launch.engine(resume_from)
         else:
             engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
         try:
@@ -86,9 +86,7 @@ class LocalService:
         service.trainer = trainer
         if isinstance(engine, VLLMEngine):
             service._training_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
-            service._restart_vllm = lambda checkpoint: start_vllm_server(
-                served_name, base_model, engine_config, max_context, None, checkpoint, log_dir
-            )
+            service._vllm = launch
         return service
 
     @classmethod
@@ -159,10 +157,10 @@ class LocalService:
         if self.engine.config.sleep_while_training:
             await self.engine.wake_up()  # awake already, unless waking after training failed
         if self.trainer is not None and self.trainer.has_adapter:
-            await self.engine.load_adapter(f"{self.engine.adapter_prefix}@{step}", str(checkpoint))
+            await self.engine.load_adapter(step, str(checkpoint))
         else:
-            restart = self._restart_vllm
-            await self.engine.reload_weights(None if restart is None else lambda: restart(checkpoint))
+            launch = self._vllm
+            await self.engine.reload_weights(None if launch is None else lambda: launch.server(checkpoint))
 
     async def close(self) -> None:
         self.server.stop()
@@ -171,64 +169,59 @@ class LocalService:
             self._training_thread.shutdown(wait=True)
 
 
-def start_vllm_engine(
-    served_name: str,
-    base_model: str,
-    engine_config: EngineConfig,
-    max_context: int,
-    lora: LoraConfig | None,
-    resume_from: Path | None,
-    log_dir: Path | None,
-) -> VLLMEngine:
-    """Start (or connect to) vLLM serving base_model, with the adapter of `resume_from` loaded if any."""
-    config = engine_config.vllm
-    if config.url is not None and lora is None:
-        raise ValueError(
-            "full fine-tuning (lora=None) with a vLLM server artrl did not start (vllm_url) cannot reload the "
-            "weights after a step; train a LoRA, or let artrl start the server"
+@dataclass(frozen=True)
+class VLLMLaunch:
+    """How vLLM serves one model: started by artrl (on the base weights, or on a full-weights checkpoint), or
+    the server at `VLLMConfig.url`."""
+
+    served_name: str
+    base_model: str
+    engine_config: EngineConfig
+    max_context: int
+    lora: LoraConfig | None
+    log_dir: Path | None
+
+    def engine(self, resume_from: Path | None) -> VLLMEngine:
+        """The engine, with `resume_from`'s weights served: its adapter loaded, or its full weights."""
+        config = self.engine_config.vllm
+        server = None
+        if config.url is not None:
+            if self.lora is None:
+                raise ValueError(
+                    "full fine-tuning (lora=None) with a vLLM server artrl did not start (vllm_url) cannot "
+                    "reload the weights after a step; train a LoRA, or let artrl start the server"
+                )
+            base_url, served = config.url, served_model_of(config.url, config)
+        else:
+            server = self.server(resume_from if self.lora is None else None)
+            base_url, served = server.base_url, self.served_name
+        engine = VLLMEngine(base_url, served, self.served_name, self.max_context, config, server)
+        if self.lora is not None and resume_from is not None:
+            try:
+                asyncio.run(engine.load_adapter(int(resume_from.name), str(resume_from)))
+            except BaseException:
+                if server is not None:
+                    server.stop()
+                raise
+        return engine
+
+    def server(self, full_weights: Path | None = None) -> VLLMServer:
+        """A supervised server on the base model (adapters enabled with a LoRA), or on a full checkpoint."""
+        device = pick_device(self.engine_config)
+        return VLLMServer.start(
+            str(full_weights or self.base_model),
+            self.served_name,
+            (self.log_dir or Path(".")) / "vllm.log",
+            self.engine_config.vllm,
+            max_model_len=self.max_context,
+            tokenizer=self.base_model if full_weights else None,
+            lora_rank=self.lora.rank if self.lora else None,
+            dtype=str(pick_dtype(self.engine_config, device)).removeprefix("torch."),
+            on_cpu=device.type == "cpu",
         )
-    server = None
-    if config.url is None:
-        server = start_vllm_server(
-            served_name, base_model, engine_config, max_context, lora, resume_from, log_dir
-        )
-    engine = VLLMEngine(server.base_url if server else config.url, served_name, max_context, config, server)
-    if config.url is not None:  # requests name the server's base model; adapters keep our model's name
-        engine.served_name = engine.target = served_model_of(config.url, config)
-    if lora is not None and resume_from is not None:
-        try:
-            asyncio.run(engine.load_adapter(f"{served_name}@{int(resume_from.name)}", str(resume_from)))
-        except BaseException:
-            if server is not None:
-                server.stop()
-            raise
-    return engine
 
 
-def start_vllm_server(
-    served_name: str,
-    base_model: str,
-    engine_config: EngineConfig,
-    max_context: int,
-    lora: LoraConfig | None,
-    resume_from: Path | None,
-    log_dir: Path | None,
-) -> VLLMServer:
-    full_weights = lora is None and resume_from is not None
-    return VLLMServer.start(
-        str(resume_from) if full_weights else base_model,
-        served_name,
-        (log_dir or Path(".")) / "vllm.log",
-        engine_config.vllm,
-        max_model_len=max_context,
-        tokenizer=base_model if full_weights else None,
-        lora_rank=lora.rank if lora else None,
-        dtype=str(pick_dtype(engine_config, pick_device(engine_config))).removeprefix("torch."),
-        on_cpu=pick_device(engine_config).type == "cpu",
-    )
-
-
-def served_model_of(url: str, config) -> str:
+def served_model_of(url: str, config: VLLMConfig) -> str:
     """The model a running vLLM server serves (its first /v1/models entry that is not an adapter)."""
     import httpx
 

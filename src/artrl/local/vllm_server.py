@@ -198,10 +198,7 @@ class VLLMServer:
 def _end_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S + 5) -> None:
     """Ask the watchdog to stop the server (which shuts its engine down in order), then SIGKILL whatever of
     the process group is left after grace_s."""
-    try:
-        pgid = os.getpgid(process.pid)
-    except ProcessLookupError:
-        pgid = process.pid  # the watchdog is gone; its group may live on
+    pgid = process.pid  # the watchdog leads its own session and process group (start_new_session)
     if process.poll() is None:
         process.terminate()
     else:
