@@ -22,6 +22,14 @@ def tokenizer(tiny_model_dir: Path):
 ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
+@pytest.fixture(scope="session")
+def chat_format(tokenizer):
+    """The ChatFormat of the tiny model (Hermes tool calls on ChatML)."""
+    from artrl.local.chat_format import ChatFormat
+
+    return ChatFormat.for_tokenizer(tokenizer)
+
+
 @pytest.fixture(scope="session", params=ENGINES)
 async def served(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory

@@ -34,7 +34,7 @@ def test_rows_extend_and_fork():
             choice([1, 2, 10], [11]),  # a side call that does not continue the conversation: a fork
         ]
     )
-    rows = trajectory_rows(traj, index=3, tokenizer=None, allow_rendered=False)
+    rows = trajectory_rows(traj, 3, None, allow_rendered=False)
     assert [r.ids for r in rows] == [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 10, 11]]
     assert [r.mask for r in rows] == [[0, 0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 0, 1]]
     assert [r.weight for r in rows] == [0.5, 0.5]
@@ -44,7 +44,7 @@ def test_rows_extend_and_fork():
     assert all(math.isnan(first[i]) for i in (0, 1, 2, 5, 6))
 
 
-def test_untracked_assistant_turns_need_opt_in(tokenizer):
+def test_untracked_assistant_turns_need_opt_in(tokenizer, chat_format):
     traj = Trajectory(
         messages_and_choices=[
             {"role": "user", "content": "q"},
@@ -52,8 +52,8 @@ def test_untracked_assistant_turns_need_opt_in(tokenizer):
         ]
     )
     with pytest.raises(UntrackedTurnsError, match="allow_rendered_turns"):
-        trajectory_rows(traj, 0, tokenizer, allow_rendered=False)
-    (row,) = trajectory_rows(traj, 0, tokenizer, allow_rendered=True)
+        trajectory_rows(traj, 0, chat_format, allow_rendered=False)
+    (row,) = trajectory_rows(traj, 0, chat_format, allow_rendered=True)
     trained = tokenizer.decode([t for t, m in zip(row.ids, row.mask, strict=True) if m])
     assert trained == "an answer from elsewhere<|im_end|>"
     assert all(math.isnan(x) for x in row.logprobs)
@@ -99,12 +99,12 @@ def test_a_call_extends_the_longest_row_it_continues_and_histories_add_rows():
     assert [r.weight for r in rows] == pytest.approx([1 / 3] * 3)
 
 
-def test_untracked_turns_in_a_history_need_opt_in(tokenizer):
+def test_untracked_turns_in_a_history_need_opt_in(tokenizer, chat_format):
     history = History(
         messages_and_choices=[{"role": "user", "content": "s"}, {"role": "assistant", "content": "a"}]
     )
     traj = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], additional_histories=[history])
     with pytest.raises(UntrackedTurnsError):
-        trajectory_rows(traj, 0, tokenizer, allow_rendered=False)
-    (row,) = trajectory_rows(traj, 0, tokenizer, allow_rendered=True)
+        trajectory_rows(traj, 0, chat_format, allow_rendered=False)
+    (row,) = trajectory_rows(traj, 0, chat_format, allow_rendered=True)
     assert tokenizer.decode([t for t, m in zip(row.ids, row.mask, strict=True) if m]) == "a<|im_end|>"

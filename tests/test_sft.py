@@ -46,7 +46,7 @@ def dataset(n: int) -> list[artrl.Trajectory]:
 
 
 def mean_assistant_logprob(service, trajectories) -> float:
-    rows = [r for i, t in enumerate(trajectories) for r in trajectory_rows(t, i, service.tokenizer, True)]
+    rows = [r for i, t in enumerate(trajectories) for r in trajectory_rows(t, i, service.chat_format, True)]
     batch = collate(rows, [0.0] * len(rows), torch.device("cpu"), service.tokenizer.pad_token_id)
     with torch.no_grad():
         logits = service.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]

@@ -1,37 +1,156 @@
+"""The output parser of every chat format: tool calls, reasoning and content, streamed in any chunking.
+
+Driven by the families' response templates (trl's), on text as each family's template writes it."""
+
 from __future__ import annotations
 
 import json
 
-from artrl.local.gateway.tool_calls import parse_tool_calls
+import pytest
 
+from artrl.local.chat_format.families import response_template
+from artrl.local.chat_format.output import OutputParser, raw_call_template
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"k": {"type": "integer"}, "s": {"type": "string"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "move", "parameters": {"type": "object", "properties": {}}}},
+]
 NAMES = {"lookup", "move"}
+CHATML = "<|im_start|>assistant\n"
 
 
-def test_parses_blocks_and_keeps_surrounding_text():
-    text = 'Sure.\n<tool_call>\n{"name": "lookup", "arguments": {"k": 1}}\n</tool_call>\n<tool_call>{"name": "move", "arguments": "{\\"d\\": 2}"}</tool_call>'
-    content, calls = parse_tool_calls(text, NAMES)
-    assert content == "Sure."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("lookup", {"k": 1}), ("move", {"d": 2})]
-    assert len({c.id for c in calls}) == 2
+def parse(family: str, text: str, prompt: str = "", step: int = 0, names: set[str] = NAMES):
+    template = response_template(family)
+    parser = OutputParser(template, raw_call_template(template), prompt, TOOLS, names)
+    chunks = [text[i : i + step] for i in range(0, len(text), step)] if step else [text]
+    pieces = [p for chunk in chunks for p in parser.feed(chunk)] + parser.finish()
+    streamed = "".join(p.text for p in pieces if p.kind == "content")
+    assert streamed == parser.content  # streaming = the fold
+    assert "".join(p.text for p in pieces if p.kind == "reasoning") == parser.reasoning
+    return parser.reasoning, parser.content, [(c.name, json.loads(c.arguments)) for c in parser.calls]
 
 
-def test_invalid_blocks_stay_content():
-    for text in [
+# (family, prompt, generated text, reasoning, content, calls)
+CASES = [
+    (
+        "hermes",
+        CHATML,
+        'Sure.\n<tool_call>\n{"name": "lookup", "arguments": {"k": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "move", "arguments": {}}\n</tool_call><|im_end|>',
+        "",
+        "Sure.",
+        [("lookup", {"k": 1}), ("move", {})],
+    ),
+    (
+        "qwen3",
+        CHATML,
+        '<think>\nI should look.\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"k": 2}}\n</tool_call>',
+        "I should look.",
+        "",
+        [("lookup", {"k": 2})],
+    ),
+    ("qwen3", CHATML + "<think>\n\n</think>\n\n", "Hello there.<|im_end|>", "", "Hello there.", []),
+    (
+        "qwen3_5",
+        CHATML + "<think>\n",
+        "Look it up.\n</think>\n\n<tool_call>\n<function=lookup>\n<parameter=k>\n7\n</parameter>\n"
+        "<parameter=s>\n12\n</parameter>\n</function>\n</tool_call><|im_end|>",
+        "Look it up.",
+        "",
+        [("lookup", {"k": 7, "s": "12"})],  # typed by the tool's schema: s stays a string
+    ),
+    (
+        "llama3_json",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        '{"name": "lookup", "parameters": {"k": 3}}<|eot_id|>',
+        "",
+        "",
+        [("lookup", {"k": 3})],
+    ),
+    (
+        "llama3_json",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "The answer is {not a call}.<|eot_id|>",
+        "",
+        "The answer is {not a call}.",
+        [],
+    ),
+    (
+        "gpt_oss",
+        "<|start|>assistant",
+        "<|channel|>analysis<|message|>Need k.<|end|><|start|>assistant to=functions.lookup<|channel|>"
+        'commentary json<|message|>{"k": 4}<|call|>',
+        "Need k.",
+        "",
+        [("lookup", {"k": 4})],
+    ),
+    (  # the header order gpt-oss models themselves write
+        "gpt_oss",
+        "<|start|>assistant",
+        "<|channel|>analysis<|message|>Need k.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.lookup <|constrain|>json<|message|>{"k": 5}<|call|>',
+        "Need k.",
+        "",
+        [("lookup", {"k": 5})],
+    ),
+    (
+        "gpt_oss",
+        "<|start|>assistant",
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Six.<|return|>",
+        "Easy.",
+        "Six.",
+        [],
+    ),
+    (
+        "glm4_moe",
+        "<|assistant|>",
+        "\n<think>Look.</think>\n<tool_call>lookup\n<arg_key>k</arg_key>\n<arg_value>8</arg_value>\n</tool_call>",
+        "Look.",
+        "",
+        [("lookup", {"k": 8})],
+    ),
+]
+
+
+@pytest.mark.parametrize("step", [0, 1, 3, 7])
+@pytest.mark.parametrize(("family", "prompt", "text", "reasoning", "content", "calls"), CASES)
+def test_families_parse_in_any_chunking(family, prompt, text, reasoning, content, calls, step):
+    assert parse(family, text, prompt, step) == (reasoning, content, calls)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
         "<tool_call>not json</tool_call>",
         '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
         '<tool_call>{"name": "lookup", "arguments": [1]}</tool_call>',
-        '<tool_call>{"name": "lookup", "arguments": {}}',  # unterminated
-        '{"name": "lookup", "arguments": {}}',
-    ]:
-        assert parse_tool_calls(text, NAMES) == (text, [])
+        '<tool_call>{"name": "lookup", "arguments": {}}',  # unterminated: the output ended inside the call
+    ],
+)
+def test_a_call_that_does_not_parse_stays_content_verbatim(block):
+    for step in (0, 2):
+        assert parse("hermes", block, CHATML, step) == ("", block, [])
 
 
-def test_mixed_valid_and_invalid():
-    text = '<tool_call>oops</tool_call><tool_call>{"name": "lookup"}</tool_call>'
-    content, calls = parse_tool_calls(text, NAMES)
+def test_one_bad_call_does_not_spoil_the_others():
+    text = '<tool_call>oops</tool_call><tool_call>{"name": "move", "arguments": {}}</tool_call>'
+    _, content, calls = parse("hermes", text, CHATML)
     assert content == "<tool_call>oops</tool_call>"
-    assert [(c.name, c.arguments) for c in calls] == [("lookup", "{}")]
+    assert calls == [("move", {})]
 
 
-def test_empty_content_is_none():
-    assert parse_tool_calls('  <tool_call>{"name": "move", "arguments": {}}</tool_call> ', NAMES)[0] is None
+def test_without_offered_tools_a_call_is_text():
+    text = '<tool_call>\n{"name": "move", "arguments": {}}\n</tool_call>'
+    assert parse("hermes", text, CHATML, names=set()) == ("", text, [])
+
+
+def test_plain_format_passes_text_through():
+    parser = OutputParser(None, None, "", None, set())
+    assert [p.text for p in parser.feed("a <tool_call> b")] == ["a <tool_call> b"]
+    assert parser.finish() == [] and parser.content == "a <tool_call> b"

@@ -92,6 +92,7 @@ class LocalBackend:
             "project": model.project,
             "base_model": model.base_model,
             "lora": model.lora.model_dump(mode="json") if model.lora else None,
+            "chat_format": model.chat_format,
         }
         saved = directory / "model.json"
         if saved.exists():
@@ -121,6 +122,7 @@ class LocalBackend:
             model.lora,
             checkpoint_dir(directory, step) if step > 0 else None,
             directory,
+            model.chat_format,
         )
         self._services[key] = service
         self._train_locks[key] = asyncio.Lock()
@@ -140,11 +142,12 @@ class LocalBackend:
         async with self._train_locks[(model.project, model.name)]:
             batch = build_batch(
                 groups,
-                service.tokenizer,
+                service.chat_format,
                 service.max_context,
                 config.scale_rewards,
                 config.advantage_eps,
                 config.allow_rendered_turns,
+                config.chat_template_kwargs,
             )
             step = latest_step(directory) + 1
             write_trajectories(directory, "train", step, groups)
@@ -171,7 +174,7 @@ class LocalBackend:
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
             per_trajectory = [
-                trajectory_rows(t, i, service.tokenizer, allow_rendered=True)
+                trajectory_rows(t, i, service.chat_format, True, config.chat_template_kwargs)
                 for i, t in enumerate(trajectories)
             ]
             too_long = sum(len(r.ids) > service.max_context for rows in per_trajectory for r in rows)

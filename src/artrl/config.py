@@ -6,7 +6,7 @@ keyword argument is an error, not a silently ignored setting.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -205,6 +205,10 @@ class TrainConfig(_Frozen):
         description="train assistant turns without recorded token ids by rendering them with the chat "
         "template (not token-exact; off by default)",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="template variables for rendering turns without recorded ids (e.g. enable_thinking)",
+    )
 
 
 class SFTConfig(_Frozen):
@@ -223,3 +227,6 @@ class SFTConfig(_Frozen):
     max_tokens_per_microbatch: int = Field(default=4096, ge=16)
     logprob_chunk_size: int = Field(default=512, ge=1)
     seed: int = 0
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="template variables for rendering the turns (e.g. enable_thinking)"
+    )

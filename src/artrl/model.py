@@ -57,6 +57,11 @@ class TrainableModel(BaseModel):
         default_factory=LoraConfig, description="the trained adapter; None = full fine-tuning (small models)"
     )
     client: ClientConfig = Field(default_factory=ClientConfig)
+    chat_format: str | None = Field(
+        default=None,
+        description="the model family's chat format (hermes, qwen3, qwen3_5, llama3_json, gpt_oss, glm4_moe, "
+        "plain); None = detected from the tokenizer's chat template (`artrl check-template` shows which)",
+    )
 
     _backend: Backend | None = PrivateAttr(default=None)
     _base_url: str | None = PrivateAttr(default=None)

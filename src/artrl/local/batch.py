@@ -35,11 +35,12 @@ def check_groups(groups: list[TrajectoryGroup]) -> None:
 
 def build_batch(
     groups: list[TrajectoryGroup],
-    tokenizer: Any,
+    chat_format: Any,
     max_context: int,
     scale_rewards: bool,
     eps: float,
     allow_rendered: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> TrainingBatch:
     check_groups(groups)
     usable = [g for g in groups if len(g.trajectories) >= 2]
@@ -50,7 +51,7 @@ def build_batch(
     index = 0
     for group, advantages in zip(usable, computed.advantages, strict=True):
         for traj, advantage in zip(group.trajectories, advantages, strict=True):
-            rows = trajectory_rows(traj, index, tokenizer, allow_rendered)
+            rows = trajectory_rows(traj, index, chat_format, allow_rendered, template_kwargs)
             index += 1
             if not rows:
                 skipped_untrainable += 1

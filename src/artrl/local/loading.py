@@ -58,8 +58,9 @@ def context_length(model: Any, config: EngineConfig) -> int:
 
 
 def end_of_turn_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """Token ids that end a completion: the tokenizer's eos plus the model's generation_config eos ids."""
-    ids = {tokenizer.convert_tokens_to_ids(tokenizer.eos_token)}
+    """Token ids that end a completion: the tokenizer's eos plus the model's generation_config eos ids (the
+    chat format adds its family's stop tokens)."""
+    ids = {tokenizer.convert_tokens_to_ids(tokenizer.eos_token)} if tokenizer.eos_token is not None else set()
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [] if configured is None else [configured])
     return frozenset(ids)

@@ -8,7 +8,8 @@ same prompt and sampled ids: shared context) is trained once. Every row of a tra
 1 / (its number of rows), so a trajectory counts once however it forks, and all its histories share its reward.
 
 Assistant turns without recorded ids (plain dicts, or choices from another provider) are only trained if the
-caller opts in: the whole conversation is then rendered with the chat template and its assistant mask.
+caller opts in (SFT always does): each turn is then tokenised as the gateway would have recorded it had it
+sampled that turn (`rendered_rows`), which needs no `{% generation %}` marks in the template.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from artrl.trajectory import History, Trajectory
+from artrl.local.chat_format import ChatFormat, TemplateRenderError
+from artrl.local.chat_format.turns import UnrenderableTurnError, simulate_turns
+from artrl.trajectory import History, Trajectory, choice_to_message
 
 NO_LOGPROB = math.nan  # on prompt tokens, and on rendered turns (no behaviour logprob was recorded)
 
@@ -79,13 +82,13 @@ def has_untracked_turns(traj: Trajectory) -> bool:
     return False
 
 
-def recorded_rows(traj: Trajectory, index: int) -> list[Row]:
+def rows_from_calls(
+    calls: list[tuple[list[int], list[int], list[float] | None]], index: int
+) -> list[Row]:
+    """Rows of one trajectory from its calls in order, each (prompt ids, sampled ids, their logprobs)."""
     rows: list[Row] = []
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    for choice in (c for history in _histories(traj) for c in history.choices()):
-        recorded = _recorded(choice)
-        assert recorded is not None
-        prompt, sampled, logprobs = recorded
+    for prompt, sampled, logprobs in calls:
         key = (tuple(prompt), tuple(sampled))
         if key in seen:
             continue
@@ -100,21 +103,50 @@ def recorded_rows(traj: Trajectory, index: int) -> list[Row]:
     return rows
 
 
-def rendered_row(traj: History, index: int, tokenizer: Any) -> Row:
-    """The conversation rendered by the chat template; trainable = the template's assistant spans."""
-    encoded = tokenizer.apply_chat_template(
-        traj.messages(), tools=traj.tools or None, return_dict=True, return_assistant_tokens_mask=True
-    )
-    mask = [int(bool(m)) for m in encoded["assistant_masks"]]
-    if not any(mask):
-        raise UntrackedTurnsError(
-            "the chat template marks no assistant tokens (it needs {% generation %} … {% endgeneration %} "
-            "around assistant turns) so rendered turns cannot be trained"
-        )
-    return Row(list(encoded["input_ids"]), mask, [NO_LOGPROB] * len(mask), index)
+def recorded_rows(traj: Trajectory, index: int) -> list[Row]:
+    calls = []
+    for choice in (c for history in _histories(traj) for c in history.choices()):
+        recorded = _recorded(choice)
+        assert recorded is not None
+        calls.append(recorded)
+    return rows_from_calls(calls, index)
 
 
-def trajectory_rows(traj: Trajectory, index: int, tokenizer: Any, allow_rendered: bool) -> list[Row]:
+def _training_messages(history: History) -> list[dict[str, Any]]:
+    """The conversation as template messages, with the reasoning of sampled choices kept."""
+    out = []
+    for item in history.messages_and_choices:
+        if isinstance(item, Choice):
+            message = choice_to_message(item)
+            reasoning = (item.message.model_extra or {}).get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning:
+                message["reasoning_content"] = reasoning
+            out.append(message)
+        else:
+            out.append(item)
+    return out
+
+
+def rendered_rows(
+    history: History, index: int, chat_format: ChatFormat, template_kwargs: dict[str, Any] | None = None
+) -> list[Row]:
+    """Rows of a conversation whose assistant turns were not sampled through the gateway: each turn as the
+    gateway would have recorded it (prompt continued or rendered, the turn's text as "sampled" ids; see
+    `chat_format.turns`). No behaviour logprobs; works on any template, with or without generation marks."""
+    try:
+        turns = simulate_turns(chat_format, _training_messages(history), history.tools, template_kwargs)
+    except (UnrenderableTurnError, TemplateRenderError) as exc:
+        raise UntrackedTurnsError(f"trajectory {index}: {exc}") from None
+    return rows_from_calls([(t.prompt_ids, t.sampled_ids, None) for t in turns], index)
+
+
+def trajectory_rows(
+    traj: Trajectory,
+    index: int,
+    chat_format: ChatFormat,
+    allow_rendered: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[Row]:
     if has_untracked_turns(traj):
         if not allow_rendered:
             raise UntrackedTurnsError(
@@ -123,7 +155,7 @@ def trajectory_rows(traj: Trajectory, index: int, tokenizer: Any, allow_rendered
                 "a re-rendering with TrainConfig(allow_rendered_turns=True)."
             )
         histories = [h for h in _histories(traj) if any(map(_is_assistant, h.messages_and_choices))]
-        rows = [rendered_row(h, index, tokenizer) for h in histories]
+        rows = [row for h in histories for row in rendered_rows(h, index, chat_format, template_kwargs)]
     else:
         rows = recorded_rows(traj, index)
     for row in rows:

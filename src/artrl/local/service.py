@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig, VLLMConfig
+from artrl.local.chat_format import ChatFormat
 from artrl.local.engine import Engine, EngineError
 from artrl.local.engine_hf import HFEngine
 from artrl.local.engine_vllm import VLLMEngine
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 class LocalService:
     model: Any
     tokenizer: Any
+    chat_format: ChatFormat
     engine: Engine
     server: GatewayServer
     trainer: Trainer | None = None
@@ -59,6 +61,7 @@ class LocalService:
         lora: LoraConfig | None,
         resume_from: Path | None = None,
         log_dir: Path | None = None,
+        chat_format: str | None = None,
     ) -> LocalService:
         """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread."""
         full_weights = lora is None and resume_from is not None
@@ -78,7 +81,9 @@ class LocalService:
         else:
             engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
         try:
-            service = cls.serve(served_name, model, tokenizer, engine, engine_config, gateway_config)
+            service = cls.serve(
+                served_name, model, tokenizer, engine, engine_config, gateway_config, chat_format
+            )
         except BaseException:
             if isinstance(engine, VLLMEngine) and engine.server is not None:
                 engine.server.stop()
@@ -98,17 +103,13 @@ class LocalService:
         engine: Engine,
         engine_config: EngineConfig,
         gateway_config: GatewayConfig,
+        chat_format: str | None = None,
     ) -> LocalService:
         """Put a gateway in front of an engine that is already running."""
-        builder = PromptBuilder(tokenizer, CompletionStore(gateway_config.completion_store_size))
+        fmt = ChatFormat.for_tokenizer(tokenizer, chat_format, extra_stop_ids=end_of_turn_ids(model, tokenizer))
+        builder = PromptBuilder(fmt, CompletionStore(gateway_config.completion_store_size))
         serving = ChatServing(
-            engine,
-            tokenizer,
-            builder,
-            [served_name],
-            engine_config.default_max_tokens,
-            engine_config.max_n,
-            end_of_turn_ids(model, tokenizer),
+            engine, fmt, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n
         )
         app = create_app(
             serving,
@@ -118,7 +119,7 @@ class LocalService:
         )
         server = GatewayServer(app, gateway_config.host, gateway_config.port, gateway_config.keep_alive_s)
         server.start(gateway_config.startup_timeout_s)
-        return cls(model, tokenizer, engine, server, max_context=engine.max_context)
+        return cls(model, tokenizer, fmt, engine, server, max_context=engine.max_context)
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run fn where nothing else touches the trainer's weights: on the embedded engine's thread, between

@@ -174,6 +174,27 @@ def _usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, 
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _delta_parts(event: Delta, calls_sent: dict[int, int]) -> list[dict[str, Any]]:
+    """The OpenAI `delta` objects for a Delta: runs of reasoning and content text, and whole tool calls (each
+    with its index in the choice). Logprobs alone (no text yet) go out with an empty content delta."""
+    parts: list[dict[str, Any]] = []
+    for piece in event.pieces:
+        key = {"content": "content", "reasoning": "reasoning_content"}.get(piece.kind)
+        if key is not None:
+            if parts and set(parts[-1]) == {key}:
+                parts[-1][key] += piece.text
+            else:
+                parts.append({key: piece.text})
+        else:
+            assert piece.call is not None
+            j = calls_sent.get(event.index, 0)
+            calls_sent[event.index] = j + 1
+            parts.append({"tool_calls": [{"index": j, **piece.call.as_openai()}]})
+    if not parts and event.tokens:
+        parts.append({"content": ""})
+    return parts
+
+
 async def _sse(
     serving: ChatServing, prepared: PreparedRequest, record: Callable[[list[dict[str, Any]]], None]
 ) -> AsyncIterator[bytes]:
@@ -190,31 +211,25 @@ async def _sse(
 
     want_logprobs = bool(prepared.request.logprobs)
     started: set[int] = set()
+    calls_sent: dict[int, int] = {}
     results: list[ChoiceResult] = []
     try:
         async for event in serving.events(prepared, streaming=True):
-            delta: dict[str, Any] = {}
-            if event.index not in started:
-                started.add(event.index)
-                delta["role"] = "assistant"
             if isinstance(event, Delta):
-                delta["content"] = event.text
-                logprobs = {"content": serving.logprob_entries(event.tokens)} if want_logprobs else None
-                yield chunk(
-                    [{"index": event.index, "delta": delta, "finish_reason": None, "logprobs": logprobs}]
-                )
+                for part in _delta_parts(event, calls_sent):
+                    head = {} if event.index in started else {"role": "assistant"}
+                    started.add(event.index)
+                    logprobs = {"content": serving.logprob_entries(event.tokens)} if want_logprobs else None
+                    choice = {"index": event.index, "delta": {**head, **part}, "finish_reason": None}
+                    yield chunk([{**choice, "logprobs": logprobs}])
+                    event.tokens = []
                 continue
+            delta: dict[str, Any] = {} if event.index in started else {"role": "assistant"}
+            started.add(event.index)
             results.append(event)
             if len(results) == prepared.request.n:  # before the last chunk goes out: a client that stops
                 # reading at finish_reason and leaves its capture block must still find the call recorded
                 record([_choice(serving, prepared, r) for r in sorted(results, key=lambda r: r.index)])
-            content = event.message["content"] or ""
-            if content.startswith(event.streamed_text) and len(content) > len(event.streamed_text):
-                delta["content"] = content[len(event.streamed_text) :]
-            if event.message.get("tool_calls"):
-                delta["tool_calls"] = [
-                    {"index": j, **call} for j, call in enumerate(event.message["tool_calls"])
-                ]
             yield chunk(
                 [
                     {

@@ -111,6 +111,13 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
                 raise RequestError(
                     f"{where} (assistant) needs 'content' or 'tool_calls'", param=where, code="invalid_value"
                 )
+            reasoning = m.get("reasoning_content", m.get("reasoning"))
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise RequestError(
+                        f"{where}.reasoning_content must be a string", param=where, code="invalid_value"
+                    )
+                msg["reasoning_content"] = reasoning
             open_calls = {c["id"] for c in msg.get("tool_calls", [])}
             out.append(msg)
         else:  # tool
@@ -139,7 +146,8 @@ def _canonical_arguments(arguments: str) -> Any:
 
 
 def canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with formatting noise removed: None/"" content, argument JSON spacing and key order."""
+    """Messages with formatting noise removed: None/"" content, argument JSON spacing and key order. Reasoning
+    is left out: clients may or may not send it back, and the gateway fills in its own (see prompts.py)."""
     out = []
     for m in messages:
         c = {"role": m["role"], "content": m.get("content") or ""}

@@ -1,23 +1,26 @@
 """Prompt token ids for a request: a token-exact continuation when possible, a fresh render otherwise.
 
 If the request's last assistant turn is a completion this gateway produced (same history before it, same
-tools, same message), the prompt is
+tools and template arguments, same message), the prompt is
 
-    that completion's prompt ids + its sampled ids + tokens(end of turn + rendered new messages + gen prompt)
+    that completion's prompt ids + its sampled ids + tokens(what the template writes after that turn)
 
-so the model conditions on exactly what it sampled. Otherwise the whole history is rendered with the chat
-template. `Prompt.source` says which happened.
+so the model conditions on exactly what it sampled. That needs the template to render the new conversation
+as an extension of the old one (`ChatFormat.continuation_text`); where it does not (Qwen3 and GLM drop
+earlier reasoning at a new user turn, gpt-oss once a final answer follows), the whole history is rendered
+afresh with the chat template, as any server would, and training rows fork there. `Prompt.source` says
+which happened. The gateway passes back the reasoning of its own completions when a client leaves it out.
 """
 
 from __future__ import annotations
 
+import json
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jinja2 import TemplateError
-
+from artrl.local.chat_format import ChatFormat, TemplateRenderError
 from artrl.local.gateway.messages import conversation_key
 from artrl.local.gateway.protocol import RequestError
 
@@ -26,12 +29,14 @@ from artrl.local.gateway.protocol import RequestError
 class StoredCompletion:
     prompt_ids: array  # 'i' (4 bytes a token: the store holds many long prompts)
     token_ids: array
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]
     source: Literal["continuation", "rendered"]
+    text: str = ""  # the rendered prompt (what the output parser reads its context from)
 
 
 class CompletionStore:
@@ -59,55 +64,63 @@ class CompletionStore:
         return len(self._items)
 
 
+def _key(messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> str:
+    key = conversation_key(messages, tools)
+    return key if not kwargs else f"{key}:{json.dumps(kwargs, sort_keys=True, default=str)}"
+
+
 class PromptBuilder:
-    def __init__(self, tokenizer: Any, store: CompletionStore) -> None:
-        if tokenizer.chat_template is None:
-            raise ValueError("the tokenizer has no chat template; artrl serves chat models only")
-        self._tokenizer = tokenizer
+    def __init__(self, chat_format: ChatFormat, store: CompletionStore) -> None:
+        self.format = chat_format
         self._store = store
-        self._turn_end = tokenizer.eos_token
-        self._turn_end_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
 
-    def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> str:
         try:
-            return self._tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
-            )
-        except TemplateError as exc:
-            raise RequestError(
-                f"the chat template rejected these messages: {exc}", param="messages", code="invalid_messages"
-            ) from None
+            return self.format.render(messages, tools, generation_prompt, kwargs)
+        except TemplateRenderError as exc:
+            raise RequestError(str(exc), param="messages", code="invalid_messages") from None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def build(self, messages: list[dict], tools: list[dict] | None, forced: str = "") -> Prompt:
-        full = self.render(messages, tools, generation_prompt=True) + forced
+    def build(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        kwargs: dict[str, Any] | None = None,
+        forced: str = "",
+    ) -> Prompt:
+        kwargs = kwargs or {}
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        stored = None
         if last is not None:
-            stored = self._store.get(conversation_key(messages[: last + 1], tools))
-            if stored is not None:
-                ids = self._continue(stored, self.render(messages[: last + 1], tools, False), full)
-                if ids is not None:
-                    return Prompt(ids, "continuation")
-        return Prompt(self.encode(full), "rendered")
-
-    def _continue(self, stored: StoredCompletion, prefix: str, full: str) -> list[int] | None:
-        at = prefix.rfind(self._turn_end)
-        if not full.startswith(prefix) or at < 0:
-            return None  # this template re-renders history differently: fall back to a fresh render
-        tail = prefix[at + len(self._turn_end) :]  # what the template puts after the end-of-turn token
-        ended = bool(stored.token_ids) and stored.token_ids[-1] == self._turn_end_id
-        closing = tail if ended else self._turn_end + tail
-        return [*stored.prompt_ids, *stored.token_ids, *self.encode(closing + full[len(prefix) :])]
+            stored = self._store.get(_key(messages[: last + 1], tools, kwargs))
+            if stored is not None and stored.reasoning and not messages[last].get("reasoning_content"):
+                messages = [*messages[:last], {**messages[last], "reasoning_content": stored.reasoning}, *messages[last + 1 :]]
+        text = self.render(messages, tools, True, kwargs)
+        ids, source = None, "rendered"
+        if stored is not None:
+            before = self.render(messages[: last + 1], tools, False, kwargs)
+            tail = self.format.continuation_text(before, text, stored.token_ids)
+            if tail is not None:
+                ids = [*stored.prompt_ids, *stored.token_ids, *self.format.encode(tail, start=False)]
+                source = "continuation"
+        if ids is None:
+            ids = self.format.encode(text)
+        if forced:
+            ids += self.format.encode(forced, start=False)
+        return Prompt(ids, source, text)  # type: ignore[arg-type]
 
     def remember(
         self,
         messages: list[dict],
         tools: list[dict] | None,
+        kwargs: dict[str, Any] | None,
         assistant: dict,
         prompt_ids: list[int],
         token_ids: list[int],
     ) -> None:
-        key = conversation_key([*messages, assistant], tools)
-        self._store.put(key, StoredCompletion(array("i", prompt_ids), array("i", token_ids)))
+        key = _key([*messages, assistant], tools, kwargs or {})
+        completion = StoredCompletion(
+            array("i", prompt_ids), array("i", token_ids), assistant.get("reasoning_content")
+        )
+        self._store.put(key, completion)

@@ -42,7 +42,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class FunctionSpec(_Strict):
+class FunctionSpec(BaseModel):
+    """A function tool. Keys beyond OpenAI's (e.g. `return`, from transformers' `get_json_schema`) are kept
+    and passed to the chat template, which may render them."""
+
+    model_config = ConfigDict(extra="allow")
+
     name: StrictStr
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
@@ -92,6 +97,7 @@ class ChatRequest(BaseModel):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (vLLM's name)
 
 
 _FIELD_NAMES = {
@@ -147,12 +153,6 @@ def _check_unsupported(r: ChatRequest) -> None:
         raise RequestError(
             "only response_format {'type': 'text'} is supported",
             param="response_format",
-            code="unsupported_parameter",
-        )
-    if r.parallel_tool_calls is False:
-        raise RequestError(
-            "parallel_tool_calls=false is not supported (the model may call several tools); omit it",
-            param="parallel_tool_calls",
             code="unsupported_parameter",
         )
     if r.top_logprobs and not r.logprobs:

@@ -1,8 +1,10 @@
 """Chat completions: messages → prompt ids → engine → OpenAI-shaped choices with exact token ids.
 
 One event generator serves both modes: streaming sends its events as SSE chunks, non-streaming folds the
-same events into one response. Every choice carries `prompt_token_ids`, `token_ids`, `token_logprobs` and
-`prompt_source` ("continuation" or "rendered") as extra fields, and is remembered for continuation.
+same events into one response. The model's text is decoded with the chat format's marker tokens kept and
+parsed by the format (`artrl.local.chat_format`) into content, reasoning_content and tool calls. Every
+choice carries `prompt_token_ids`, `token_ids`, `token_logprobs` and `prompt_source` ("continuation" or
+"rendered") as extra fields, and is remembered for continuation.
 """
 
 from __future__ import annotations
@@ -14,19 +16,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from artrl.local.chat_template import TOOL_CALL_START
+from artrl.local.chat_format import ChatFormat, Piece
+from artrl.local.chat_format.decoding import IncrementalDecoder, decode_all
 from artrl.local.engine import Engine, SequenceStream
 from artrl.local.gateway.messages import normalize_messages
 from artrl.local.gateway.prompts import Prompt, PromptBuilder
-from artrl.local.gateway.protocol import ChatRequest, RequestError
-from artrl.local.gateway.tool_calls import forced_prefix, parse_tool_calls
+from artrl.local.gateway.protocol import ChatRequest, NamedToolChoice, RequestError
+from artrl.local.gateway.stop_strings import StopStrings
 from artrl.local.sampling import SamplingParams, TokenChoice
 
 
 @dataclass
 class Delta:
     index: int
-    text: str
+    pieces: list[Piece]
     tokens: list[TokenChoice]
 
 
@@ -37,7 +40,6 @@ class ChoiceResult:
     finish_reason: str
     prompt: Prompt
     tokens: list[TokenChoice] = field(default_factory=list)
-    streamed_text: str = ""
 
 
 @dataclass
@@ -45,41 +47,31 @@ class PreparedRequest:
     request: ChatRequest
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
     prompt: Prompt
     params: SamplingParams
     forced: str
     stops: list[str]
     tool_names: set[str]
+    one_call: bool  # parallel_tool_calls=false: the turn ends after its first tool call
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
-
-
-def _held_back(text: str, markers: list[str]) -> int:
-    """Length of the longest suffix of text that could still grow into one of markers."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:size]):
-                longest = max(longest, size)
-                break
-    return longest
 
 
 class ChatServing:
     def __init__(
         self,
         engine: Engine,
-        tokenizer: Any,
+        chat_format: ChatFormat,
         builder: PromptBuilder,
         model_names: list[str],
         default_max_tokens: int,
         max_n: int,
-        stop_token_ids: frozenset[int],
     ) -> None:
-        self.engine, self.tokenizer, self.builder = engine, tokenizer, builder
+        self.engine, self.format, self.builder = engine, chat_format, builder
+        self.tokenizer = chat_format.tokenizer
         self.model_names = model_names
         self.default_max_tokens, self.max_n = default_max_tokens, max_n
-        self.stop_token_ids = stop_token_ids
 
     # ------------------------------------------------------------------ request → prepared
     def prepare(self, request: ChatRequest) -> PreparedRequest:
@@ -96,10 +88,15 @@ class ChatServing:
             )
         messages = normalize_messages(request.messages)
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        kwargs = dict(request.chat_template_kwargs or {})
+        try:
+            self.format.check_kwargs(kwargs)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="chat_template_kwargs", code="unsupported_parameter") from None
         tool_names = {t["function"]["name"] for t in tools or []}
         use_tools = bool(tools) and request.tool_choice != "none"
-        forced = forced_prefix(request.tool_choice) if use_tools else ""
-        prompt = self.builder.build(messages, tools, forced)
+        forced = self._forced(request, messages, tools, kwargs) if use_tools else ""
+        prompt = self.builder.build(messages, tools, kwargs, forced)
         room = self.engine.max_context - len(prompt.ids)
         if room <= 0:
             raise RequestError(
@@ -122,14 +119,41 @@ class ChatServing:
             top_p=1.0 if request.top_p is None else float(request.top_p),
             seed=request.seed,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=self.format.stop_ids,
         )
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if any(not s for s in stops):
             raise RequestError("stop strings must be non-empty", param="stop", code="invalid_value")
         return PreparedRequest(
-            request, messages, tools, prompt, params, forced, stops, tool_names if use_tools else set()
+            request,
+            messages,
+            tools,
+            kwargs,
+            prompt,
+            params,
+            forced,
+            stops,
+            tool_names if use_tools else set(),
+            one_call=use_tools and request.parallel_tool_calls is False,
         )
+
+    def _forced(
+        self, request: ChatRequest, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]
+    ) -> str:
+        choice = request.tool_choice
+        if choice != "required" and not isinstance(choice, NamedToolChoice):
+            return ""
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        forced = self.format.tool_call_prefix(messages, tools, kwargs, name)
+        if forced is None:
+            raise RequestError(
+                f"tool_choice={'required' if name is None else 'a named function'} is not supported for this "
+                f"model's chat format ({self.format.family.name}): its template does not write a tool call "
+                "after the generation prompt; use tool_choice 'auto'",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        return forced
 
     # ------------------------------------------------------------------ events
     async def events(self, prepared: PreparedRequest, streaming: bool) -> AsyncIterator[Delta | ChoiceResult]:
@@ -166,53 +190,53 @@ class ChatServing:
     async def _choice_events(
         self, index: int, stream: SequenceStream, prepared: PreparedRequest, streaming: bool
     ) -> AsyncIterator[Delta | ChoiceResult]:
+        fmt = self.format
+        parser = fmt.output_parser(prepared.prompt.text, prepared.tools, prepared.tool_names)
+        stops = StopStrings(prepared.stops)
+        decoder = IncrementalDecoder(self.tokenizer, fmt.skip_ids)
         tokens: list[TokenChoice] = []
         unsent: list[TokenChoice] = []
-        emitted = 0
-        stop_hit = False
-        incremental = streaming or bool(prepared.stops)
-        markers = prepared.stops + ([TOOL_CALL_START] if prepared.tool_names else [])
-        text = prepared.forced
+        pieces = parser.feed(prepared.forced)
+        incremental = streaming or bool(prepared.stops) or prepared.one_call
+        ended_by: str | None = None  # "stop" (a stop string) or "tool_calls" (parallel_tool_calls=false)
         async for token in stream:
             tokens.append(token)
             unsent.append(token)
             if not incremental:
                 continue
-            text = prepared.forced + self._decode(tokens)
-            for stop in prepared.stops:
-                at = text.find(stop, max(0, emitted - len(stop)))
-                if at >= 0:
-                    text, stop_hit = text[:at], True
-            if streaming:
-                safe = len(text) - _held_back(text, markers) if not stop_hit else len(text)
-                if prepared.tool_names:  # a tool call may follow: hold back it and the whitespace before it
-                    visible = text[: text.index(TOOL_CALL_START)] if TOOL_CALL_START in text else text[:safe]
-                    safe = min(safe, len(visible.rstrip()))
-                while safe > emitted and text[safe - 1] == "\ufffd":
-                    safe -= 1  # an incomplete UTF-8 sequence: wait for its next byte
-                if safe > emitted or (unsent and prepared.request.logprobs):
-                    yield Delta(index, text[emitted : max(safe, emitted)], unsent)
-                    emitted, unsent = max(safe, emitted), []
-            if stop_hit:
+            pieces += parser.feed(stops.feed(decoder.push(token.token_id)))
+            if stops.hit:
+                ended_by = "stop"
+            elif prepared.one_call and parser.calls:
+                ended_by = "tool_calls"
+            if streaming and (pieces or (unsent and prepared.request.logprobs)):
+                yield Delta(index, pieces, unsent)
+                pieces, unsent = [], []
+            if ended_by is not None:
                 stream.abort()
                 break
-        if not incremental:
-            text = prepared.forced + self._decode(tokens)
-        content, calls = parse_tool_calls(text, prepared.tool_names) if prepared.tool_names else (text, [])
-        finish = "stop" if stop_hit else (stream.finish_reason or "stop")
-        if calls and finish == "stop":
+        if incremental:
+            pieces += parser.feed(stops.finish(decoder.flush()))
+        else:
+            pieces += parser.feed(decode_all(self.tokenizer, [t.token_id for t in tokens], fmt.skip_ids))
+        pieces += parser.finish()
+        if streaming and (pieces or unsent):
+            yield Delta(index, pieces, unsent)
+        finish = ended_by or stream.finish_reason or "stop"
+        if parser.calls and finish == "stop":
             finish = "tool_calls"
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.as_openai() for c in calls]
+        message: dict[str, Any] = {"role": "assistant", "content": parser.content or None}
+        if parser.reasoning:
+            message["reasoning_content"] = parser.reasoning
+        if parser.calls:
+            message["tool_calls"] = [c.as_openai() for c in parser.calls]
+        elif message["content"] is None:
+            message["content"] = ""  # a message the gateway accepts back: content or tool calls
         ids = [t.token_id for t in tokens]
-        self.builder.remember(prepared.messages, prepared.tools, message, prepared.prompt.ids, ids)
-        yield ChoiceResult(index, message, finish, prepared.prompt, tokens, text[:emitted])
-
-    def _decode(self, tokens: list[TokenChoice]) -> str:
-        return self.tokenizer.decode(
-            [t.token_id for t in tokens], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        self.builder.remember(
+            prepared.messages, prepared.tools, prepared.template_kwargs, message, prepared.prompt.ids, ids
         )
+        yield ChoiceResult(index, message, finish, prepared.prompt, tokens)
 
     # ------------------------------------------------------------------ OpenAI shapes
     def logprob_entries(self, tokens: list[TokenChoice]) -> list[dict[str, Any]]:

@@ -1,0 +1,265 @@
+"""`ChatFormat`: everything artrl does with one model's chat template.
+
+It renders messages (tool-call arguments as objects, reasoning passed back, `chat_template_kwargs`), encodes
+the rendered text so that text from messages can never become a control token (transformers'
+`mark_control_tokens` / `sanitize_control_tokens`), knows the tokens that end a turn, the text that forces a
+tool call, how a recorded completion continues into the next prompt, and how to parse what the model
+writes (`output.OutputParser`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from artrl.local.chat_format.families import Family, detect_family, family_named, response_template
+from artrl.local.chat_format.output import OutputParser, raw_call_template
+
+# Variables a request may not set through chat_template_kwargs: the gateway passes them itself.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template"}
+)
+_PROBE_NAME = "artrl_probe_function"
+
+
+class TemplateRenderError(ValueError):
+    """The chat template could not render these messages (its own message says why)."""
+
+
+def _generation_tags_removed(template: str) -> str:
+    return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
+
+
+def template_variables(chat_template: str) -> frozenset[str]:
+    """The variables a chat template reads that it does not define itself (what **kwargs can set)."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.meta
+
+    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+    ast = env.parse(_generation_tags_removed(chat_template))
+    return frozenset(jinja2.meta.find_undeclared_variables(ast))
+
+
+def _json_object(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+        return value if isinstance(value, dict) else arguments
+    return arguments
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: tool-call arguments as objects (templates `tojson` or iterate
+    them), an empty string for an absent assistant content, and each tool result named after its call."""
+    names: dict[str, str] = {}
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "assistant":
+            if m.get("content") is None:
+                m["content"] = ""
+            if m.get("tool_calls"):
+                calls = []
+                for call in m["tool_calls"]:
+                    fn = call["function"]
+                    names[call.get("id", "")] = fn["name"]
+                    calls.append({**call, "function": {**fn, "arguments": _json_object(fn.get("arguments"))}})
+                m["tool_calls"] = calls
+        elif m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names:
+            m["name"] = names[m["tool_call_id"]]
+        out.append(m)
+    return out
+
+
+@dataclass
+class ChatFormat:
+    tokenizer: Any
+    family: Family
+    detected_by: str  # 'exact' (a real template trl ships), 'markers', 'config' or 'none'
+    stop_ids: frozenset[int]
+    variables: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer: Any, name: str | None = None, extra_stop_ids: Sequence[int] = ()
+    ) -> ChatFormat:
+        """The format of `tokenizer`'s chat template (or the family `name`); stop ids = the family's stop
+        tokens in this vocabulary + the tokenizer's eos + `extra_stop_ids` (the model's generation_config)."""
+        template = tokenizer.chat_template
+        if template is None:
+            raise ValueError("the tokenizer has no chat template; artrl serves chat models only")
+        if isinstance(template, dict):
+            template = template.get("default") or next(iter(template.values()))
+        family, how = (family_named(name), "config") if name else detect_family(template)
+        vocab = tokenizer.get_vocab()
+        stops = {vocab[t] for t in family.stop_tokens if t in vocab}
+        if tokenizer.eos_token is not None:
+            stops.add(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+        stops.update(extra_stop_ids)
+        return cls(tokenizer, family, how, frozenset(stops), template_variables(template))
+
+    # ------------------------------------------------------------------ control tokens
+    @property
+    def control_tokens(self) -> tuple[str, ...]:
+        """Added tokens that text from messages must never turn into: special ones, and those the template
+        writes itself (such as a non-special <tool_call>)."""
+        cached = self.__dict__.get("_control_tokens")
+        if cached is None:
+            template = self.tokenizer.chat_template
+            text = template if isinstance(template, str) else json.dumps(template)
+            cached = tuple(
+                t.content
+                for t in self.tokenizer.added_tokens_decoder.values()
+                if t.special or (t.content in text and not t.content.isspace())
+            )
+            self.__dict__["_control_tokens"] = cached
+        return cached
+
+    def _marked(self, value: Any) -> Any:
+        from transformers.utils.chat_template_utils import mark_control_tokens
+
+        pattern = self.__dict__.get("_control_re")
+        if pattern is None:
+            longest_first = sorted(self.control_tokens, key=len, reverse=True)
+            pattern = self.__dict__["_control_re"] = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        return mark_control_tokens(value, pattern)
+
+    # ------------------------------------------------------------------ rendering and encoding
+    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Raise ValueError naming a chat_template_kwargs key that this template would silently ignore."""
+        for key in kwargs:
+            if key in RESERVED_TEMPLATE_VARIABLES:
+                raise ValueError(f"chat_template_kwargs may not set {key!r}; send it as a request field")
+            if key not in self.variables:
+                used = sorted(self.variables - RESERVED_TEMPLATE_VARIABLES - {"bos_token", "eos_token"})
+                raise ValueError(
+                    f"chat_template_kwargs key {key!r} is not read by this model's chat template "
+                    f"(family {self.family.name}); the template reads: {', '.join(used) or 'none'}"
+                )
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        generation_prompt: bool,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The rendered conversation, with control tokens that came from messages marked (see `encode`)."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                self._marked(template_messages(messages)),
+                tools=self._marked(tools) or None,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **self._marked(kwargs or {}),
+            )
+        except (TemplateError, TypeError, KeyError, AttributeError) as exc:
+            raise TemplateRenderError(f"the chat template rejected these messages: {exc}") from None
+
+    def encode(self, text: str, *, start: bool = True) -> list[int]:
+        """Token ids of rendered (marked) text; control tokens from messages are encoded as plain text.
+
+        `start=False` encodes a piece from the middle of a conversation (after a newline, which is then
+        removed, so that a SentencePiece tokenizer adds no word-start space)."""
+        encode = self.tokenizer
+        if start:
+            return encode(text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
+        newline = encode("\n", add_special_tokens=False)["input_ids"]
+        ids = encode("\n" + text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
+        if ids[: len(newline)] == newline:
+            return ids[len(newline) :]
+        return encode(text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
+
+    # ------------------------------------------------------------------ tool calls
+    def tool_call_prefix(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None,
+        name: str | None,
+    ) -> str | None:
+        """Text after the generation prompt that makes the model call a tool (`name`, or any when None),
+        read off the template itself: how it renders an assistant turn holding one call, up to the function
+        name (or through it). None when the template does not render a call as a continuation of the
+        generation prompt."""
+        if self.family.response_template == "":
+            return None
+        call = {"id": "call_probe", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}
+        turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+        prompt = self.render(messages, tools, True, kwargs)
+        with_call = self.render([*messages, turn], tools, False, kwargs)
+        if not with_call.startswith(prompt) or _PROBE_NAME not in with_call[len(prompt) :]:
+            return None
+        before = with_call[len(prompt) : with_call.index(_PROBE_NAME, len(prompt))]
+        return before + (name or "")
+
+    # ------------------------------------------------------------------ continuation
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def continuation_text(self, before: str, after: str, sampled: Sequence[int]) -> str | None:
+        """What follows a recorded completion's sampled ids so that they continue into `after`.
+
+        `before` renders the conversation through the completion's assistant turn, `after` the next prompt.
+        None when `after` does not extend `before` (the template re-renders history: render afresh), or when
+        the sampled turn ended in a way the rendered history does not show."""
+        if not after.startswith(before):
+            return None
+        rest = after[len(before) :]
+        body = before.rstrip()
+        spacing = before[len(body) :]
+        stops = sorted({self.token_text(i) for i in self.stop_ids}, key=len, reverse=True)
+        if sampled and sampled[-1] in self.stop_ids:
+            stop = self.token_text(sampled[-1])
+            if body.endswith(stop):
+                return spacing + rest  # the template closes the turn with the token the model sampled
+            if not spacing and rest.startswith(stop):
+                return rest[len(stop) :]  # the next role's marker ends the turn (GLM): it was sampled already
+            return None
+        for stop in stops:  # cut short (length, a stop string): close the turn as the template does
+            if body.endswith(stop):
+                return stop + spacing + rest
+        if not spacing and any(rest.startswith(stop) for stop in stops):
+            return rest
+        return None
+
+    # ------------------------------------------------------------------ output
+    @property
+    def reasoning(self) -> bool:
+        template = response_template(self.family.name)
+        return bool(template) and any(
+            f in template["fields"] for f in ("reasoning_content", "thinking", "reasoning")
+        )
+
+    @property
+    def skip_ids(self) -> frozenset[int]:
+        """Special tokens that do not appear in the output as text (those that are not the format's markup)."""
+        cached = self.__dict__.get("_skip_ids")
+        if cached is None:
+            template = response_template(self.family.name)
+            markup = json.dumps(template) if template else ""
+            cached = frozenset(
+                i
+                for i, t in self.tokenizer.added_tokens_decoder.items()
+                if t.special and t.content not in markup and re.escape(t.content) not in markup
+                and json.dumps(re.escape(t.content))[1:-1] not in markup
+            )
+            self.__dict__["_skip_ids"] = cached
+        return cached
+
+    def output_parser(
+        self, prompt_text: str, tools: list[dict[str, Any]] | None, allowed_names: set[str]
+    ) -> OutputParser:
+        template = response_template(self.family.name)
+        raw = self.__dict__.get("_raw_template")
+        if raw is None and template is not None:
+            raw = self.__dict__["_raw_template"] = raw_call_template(template)
+        return OutputParser(template, raw, prompt_text, tools, allowed_names)

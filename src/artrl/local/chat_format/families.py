@@ -1,0 +1,156 @@
+"""Model families: how each one's chat template writes tool calls and reasoning, and how to recognise it.
+
+A family is data, not code. Its output is parsed with a *response template* from the `trl` package
+(`trl.chat_template_utils.*_template`, read by transformers' streaming `ResponseParser`), and it is recognised
+by its chat template: exactly (one of the real templates `trl` ships) or, for edited and re-uploaded
+templates, by the markers the template writes. artrl adds only what those sources lack: the family's
+stop tokens, the message key its template reads reasoning from, and (gpt-oss) the header order real models
+emit. See `docs/model-families.md`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    description: str
+    response_template: str  # name of a response template in trl.chat_template_utils
+    trl_chat_templates: tuple[str, ...] = ()  # trl.chat_template_utils names of real templates of this family
+    markers: tuple[str, ...] = ()  # all of these in a chat template = this family (checked in FAMILIES order)
+    reasoning_key: str | None = "reasoning_content"  # the message key the template reads reasoning from
+    stop_tokens: tuple[str, ...] = ()  # tokens that end an assistant turn (with the tokenizer's eos)
+    one_call_per_turn: bool = False  # the template renders at most one tool call per assistant turn
+    template_patch: dict[str, Any] = field(default_factory=dict)  # artrl's additions to the response template
+
+
+_GPT_OSS_CALL = (
+    # the header order the template renders (to=functions.NAME<|channel|>commentary json) and the one gpt-oss
+    # models also write (<|channel|>commentary to=functions.NAME <|constrain|>json)
+    r"(?|to=functions\.(?P<name>[^\s<]+)\s*<\|channel\|>commentary\s+(?:<\|constrain\|>)?json"
+    r"|<\|channel\|>commentary\s+to=functions\.(?P<name>[^\s<]+)\s*(?:<\|constrain\|>)?json)<\|message\|>"
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "gpt_oss",
+        "gpt-oss (harmony: analysis channel = reasoning, `to=functions.NAME` calls ending in <|call|>)",
+        "gptoss_template",
+        ("gptoss_chat_template",),
+        markers=("<|channel|>", "<|message|>", "to=functions."),
+        reasoning_key="thinking",
+        stop_tokens=("<|return|>", "<|call|>"),
+        one_call_per_turn=True,
+        template_patch={"fields": {"tool_calls": {"open_pattern": _GPT_OSS_CALL}}},
+    ),
+    Family(
+        "glm4_moe",
+        "GLM-4.5/4.6 (<tool_call>NAME <arg_key>/<arg_value> pairs, <think> reasoning, turns end at the next role)",
+        "glm4moe_template",
+        ("glm4moe_chat_template",),
+        markers=("<arg_key>", "<arg_value>", "<|assistant|>"),
+        stop_tokens=("<|user|>", "<|observation|>", "<|endoftext|>"),
+    ),
+    Family(
+        "qwen3_5",
+        "Qwen3.5/3.6 (<tool_call><function=NAME><parameter=KEY> XML arguments, <think> reasoning)",
+        "qwen3_5_template",
+        (
+            "qwen3_5_think_chat_template",
+            "qwen3_5_nothink_chat_template",
+            "qwen3_6_chat_template",
+            "qwen3_8_chat_template",
+        ),
+        markers=("<tool_call>", "<function=", "<parameter="),
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    ),
+    Family(
+        "llama3_json",
+        'Llama 3.1/3.2 (one bare JSON call {"name": ..., "parameters": {...}} per turn, <|eot_id|>)',
+        "llama3_template",
+        ("llama3_1_chat_template", "llama3_2_chat_template"),
+        markers=("<|start_header_id|>", '"parameters"'),
+        reasoning_key=None,
+        stop_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
+        one_call_per_turn=True,
+    ),
+    Family(
+        "qwen3",
+        "Qwen3 (Hermes <tool_call> JSON, <think> reasoning, enable_thinking)",
+        "qwen3_template",
+        ("qwen3_chat_template", "qwen3_instruct_2507_chat_template"),
+        markers=("<tool_call>", "<think>", "<|im_start|>"),
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    ),
+    Family(
+        "hermes",
+        "Hermes-style <tool_call> JSON on ChatML (Qwen2.5, artrl's own tiny models)",
+        "qwen3_template",
+        ("qwen2_5_chat_template",),
+        markers=("<tool_call>",),
+        reasoning_key=None,
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    ),
+)
+
+PLAIN = Family(
+    "plain",
+    "no known tool-call format: the whole output is content (tools are rendered, calls are not parsed)",
+    "",
+    reasoning_key=None,
+)
+
+BY_NAME: dict[str, Family] = {f.name: f for f in (*FAMILIES, PLAIN)}
+
+
+def family_named(name: str) -> Family:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown chat format {name!r}; choose one of {sorted(BY_NAME)}") from None
+
+
+@cache
+def _trl_chat_templates() -> dict[str, str]:
+    """{text of a real chat template: family name}, from the templates the trl package ships."""
+    import trl.chat_template_utils as trl_templates
+
+    return {getattr(trl_templates, t): f.name for f in FAMILIES for t in f.trl_chat_templates}
+
+
+def detect_family(chat_template: str | dict | None) -> tuple[Family, str]:
+    """The family of a chat template, and how it was recognised ('exact' trl template, 'markers', 'none')."""
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("default") or next(iter(chat_template.values()), None)
+    if not chat_template:
+        return PLAIN, "none"
+    exact = _trl_chat_templates().get(chat_template)
+    if exact is not None:
+        return BY_NAME[exact], "exact"
+    for family in FAMILIES:
+        if all(marker in chat_template for marker in family.markers):
+            return family, "markers"
+    return PLAIN, "none"
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+@cache
+def response_template(family_name: str) -> dict[str, Any] | None:
+    """The family's response template (trl's, with artrl's patch), or None for the plain format."""
+    family = BY_NAME[family_name]
+    if not family.response_template:
+        return None
+    import trl.chat_template_utils as trl_templates
+
+    return _merge(getattr(trl_templates, family.response_template), family.template_patch)
