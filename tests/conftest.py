@@ -23,6 +23,21 @@ ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 @pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """family name -> the folder of its tiny fixture model (artrl.local.family_models), built on first use."""
+    from artrl.local.family_models import build_family_model
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_family_model(tmp_path_factory.mktemp("family") / family, family, steps=150)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def chat_format(tokenizer):
     """The ChatFormat of the tiny model (Hermes tool calls on ChatML)."""
     from artrl.local.chat_format import ChatFormat

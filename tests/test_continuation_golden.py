@@ -215,7 +215,7 @@ async def test_invalid_tool_call_stays_content(scripted, tokenizer):
 
 async def test_forced_tool_choice_is_prompt_not_sample(scripted, tokenizer):
     engine, base_url = scripted
-    engine.scripts = [encode(tokenizer, '", "arguments": {"key": "fig"}}\n</tool_call><|im_end|>')]
+    engine.scripts = [encode(tokenizer, 'key": "fig"}}\n</tool_call><|im_end|>')]
     client = openai.AsyncOpenAI(base_url=base_url, api_key="x", timeout=30)
     choice = (
         await client.chat.completions.create(
@@ -225,7 +225,7 @@ async def test_forced_tool_choice_is_prompt_not_sample(scripted, tokenizer):
             tool_choice={"type": "function", "function": {"name": "lookup"}},
         )
     ).choices[0]
-    forced = '<tool_call>\n{"name": "lookup'  # read off the template: its tool call, through the name
+    forced = '<tool_call>\n{"name": "lookup", "arguments": {"'  # read off the template, to the first argument
     assert tokenizer.decode(choice.prompt_token_ids).endswith("<|im_start|>assistant\n" + forced)
     assert choice.message.tool_calls[0].function.name == "lookup"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"key": "fig"}

@@ -139,3 +139,26 @@ def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path
     assert summary["history"][0].get("logprob_mismatch_mean", 0.0) < 1e-3
     models = sorted(p.name for p in (tmp_path / "artrl" / "models").iterdir())
     assert len(models) == 1 and models[0].startswith("maze-warm-")  # no tiny model built, no pretraining
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3_1", "gpt_oss"])
+def test_the_demo_runs_on_another_model_family(family, family_dirs, tmp_path):
+    """`bash scripts/demo.sh --base-model DIR` with a folder of a non-Qwen family (its real template and
+    special tokens): warm start on its format, validation, a GRPO step — the README's command, unchanged."""
+    out = tmp_path / "out"
+    script = Path(__file__).parent.parent / "scripts" / "demo.sh"
+    done = subprocess.run(
+        [
+            *("bash", str(script), "--base-model", str(family_dirs(family)), "--path", str(tmp_path / "artrl")),
+            *("--out", str(out), "--steps", "1", "--val-size", "4", "--sft-examples", "32", "--eval-every", "0"),
+            *("--groups-per-step", "2", "--group-size", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary_seed0.json").read_text())
+    assert len(summary["history"]) == 1 and summary["timings"]["pretraining"] == 0.0
+    assert "validation" in done.stdout + done.stderr

@@ -117,7 +117,9 @@ FAMILY_MODELS: dict[str, FamilySpec] = {
     ),
 }
 
-# The tools the fixtures are trained to call (tests send these schemas).
+# The tools the fixtures are trained to call (tests send these schemas). They are exactly what LangChain makes of
+# `@tool def add(a: int, b: int) -> int: """Add two numbers."""` (and `lookup(key: str)`), so a LangGraph agent
+# renders the same prompt.
 FIXTURE_TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
@@ -125,9 +127,9 @@ FIXTURE_TOOLS: list[dict[str, Any]] = [
             "name": "add",
             "description": "Add two numbers.",
             "parameters": {
-                "type": "object",
                 "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                 "required": ["a", "b"],
+                "type": "object",
             },
         },
     },
@@ -136,11 +138,7 @@ FIXTURE_TOOLS: list[dict[str, Any]] = [
         "function": {
             "name": "lookup",
             "description": "Look up a word.",
-            "parameters": {
-                "type": "object",
-                "properties": {"key": {"type": "string"}},
-                "required": ["key"],
-            },
+            "parameters": {"properties": {"key": {"type": "string"}}, "required": ["key"], "type": "object"},
         },
     },
 ]
@@ -171,7 +169,7 @@ def fixture_conversation(rng: random.Random, spec: FamilySpec, index: int) -> di
         call_id = f"call_{index}_{turn}"
         call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": json.dumps(arguments)}}
         message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
-        if thinking:
+        if thinking and rng.random() < 0.7:  # sometimes a call without reasoning (as a forced tool_choice makes)
             message["reasoning_content"] = f"I should call {tool}."
         messages += [message, {"role": "tool", "tool_call_id": call_id, "content": result}]
     final: dict[str, Any] = {"role": "assistant", "content": f"Done: {result}."}

@@ -48,6 +48,27 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer of a model folder or hub id (ValueError with what to do when it cannot be loaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load the tokenizer of {model!r}: {exc}") from None
+
+
+def stop_ids_of(model: str) -> list[int]:
+    """The model's own stop tokens: generation_config.json's eos_token_id (none if it has no such file)."""
+    from transformers import GenerationConfig
+
+    try:
+        configured = GenerationConfig.from_pretrained(model).eos_token_id
+    except (OSError, ValueError):
+        return []
+    return configured if isinstance(configured, list) else [] if configured is None else [configured]
+
+
 def context_length(model: Any, config: EngineConfig) -> int:
     model_max = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if config.max_context is not None:

@@ -22,7 +22,6 @@ from artrl.local.chat_format.output import OutputParser, raw_call_template
 RESERVED_TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template"}
 )
-_PROBE_NAME = "artrl_probe_function"
 
 
 class TemplateRenderError(ValueError):
@@ -33,15 +32,24 @@ def _generation_tags_removed(template: str) -> str:
     return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
 
 
+_TEMPLATE_GLOBALS = frozenset({"raise_exception", "strftime_now", "namespace", "dict", "range", "loop"})
+
+
 def template_variables(chat_template: str) -> frozenset[str]:
-    """The variables a chat template reads that it does not define itself (what **kwargs can set)."""
+    """The variables a caller can set for a chat template (what **kwargs / chat_template_kwargs reach): those
+    it reads without defining them, less the names it only assigns itself (`set`, loop and macro names) unless
+    it asks whether they are defined (`{% if not date_string is defined %}{% set date_string = ... %}`)."""
     import jinja2
     import jinja2.ext
     import jinja2.meta
 
+    text = _generation_tags_removed(chat_template)
     env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
-    ast = env.parse(_generation_tags_removed(chat_template))
-    return frozenset(jinja2.meta.find_undeclared_variables(ast))
+    found = jinja2.meta.find_undeclared_variables(env.parse(text))
+    assigned = set(re.findall(r"\{%-?\s*(?:set|macro)\s+(\w+)", text))
+    assigned |= {n for group in re.findall(r"\{%-?\s*for\s+([\w\s,]+?)\s+in\b", text) for n in re.split(r"[\s,]+", group)}
+    tested = set(re.findall(r"(\w+)\s+is\s+(?:not\s+)?defined", text))
+    return frozenset(n for n in found if (n not in assigned or n in tested) and n not in _TEMPLATE_GLOBALS)
 
 
 def _json_object(arguments: Any) -> Any:
@@ -52,6 +60,20 @@ def _json_object(arguments: Any) -> Any:
             return arguments
         return value if isinstance(value, dict) else arguments
     return arguments
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = min(len(a), len(b))
+    return a[: next((i for i in range(n) if a[i] != b[i]), n)]
+
+
+def _has_parameters(tools: list[dict[str, Any]] | None, name: str) -> bool:
+    for tool in tools or []:
+        function = tool.get("function", {})
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties")
+            return bool(properties)
+    return False
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,20 +208,43 @@ class ChatFormat:
         kwargs: dict[str, Any] | None,
         name: str | None,
     ) -> str | None:
-        """Text after the generation prompt that makes the model call a tool (`name`, or any when None),
-        read off the template itself: how it renders an assistant turn holding one call, up to the function
-        name (or through it). None when the template does not render a call as a continuation of the
-        generation prompt."""
-        if self.family.response_template == "":
+        """Text after the generation prompt that makes the model call a tool, read off the template itself
+        (how it renders an assistant turn holding one call): up to the function name when any tool may be
+        called; for a named function through the name and up to its first argument. The cut falls on a token
+        boundary of the rendered call, so prompt + sampled ids tokenise like the rendering. None when the
+        template does not write a call as a continuation of the generation prompt."""
+        if response_template(self.family.name) is None:
             return None
-        call = {"id": "call_probe", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}
-        turn = {"role": "assistant", "content": "", "tool_calls": [call]}
         prompt = self.render(messages, tools, True, kwargs)
-        with_call = self.render([*messages, turn], tools, False, kwargs)
-        if not with_call.startswith(prompt) or _PROBE_NAME not in with_call[len(prompt) :]:
+
+        def span(function: str, arguments: dict[str, Any]) -> str | None:
+            call = {"id": "call_probe", "type": "function", "function": {"name": function, "arguments": arguments}}
+            turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+            text = self.render([*messages, turn], tools, False, kwargs)
+            return text[len(prompt) :] if text.startswith(prompt) else None
+
+        if name is None:
+            first, second = span("xartrl_probe", {}), span("yartrl_probe", {})
+        elif _has_parameters(tools, name):
+            first, second = span(name, {"xartrl_probe": 1}), span(name, {"yartrl_probe": 1})
+        else:
+            first = span(name, {})
+            second = first[: first.find(name) + len(name)] if first and name in first else None
+        if first is None or second is None:
             return None
-        before = with_call[len(prompt) : with_call.index(_PROBE_NAME, len(prompt))]
-        return before + (name or "")
+        common = _common_prefix(first, second)
+        if name is not None and name not in common:
+            return None
+        return self._token_boundary(first, len(common))
+
+    def _token_boundary(self, text: str, limit: int) -> str:
+        """The longest prefix of text, at most `limit` long, that ends where a token of `text` ends."""
+        whole = self.encode(text, start=False)
+        for end in range(limit, 0, -1):
+            ids = self.encode(text[:end], start=False)
+            if whole[: len(ids)] == ids:
+                return text[:end]
+        return ""
 
     # ------------------------------------------------------------------ continuation
     def token_text(self, token_id: int) -> str:
@@ -234,9 +279,14 @@ class ChatFormat:
     # ------------------------------------------------------------------ output
     @property
     def reasoning(self) -> bool:
+        """The model writes reasoning that the format parses and the template renders back."""
         template = response_template(self.family.name)
-        return bool(template) and any(
-            f in template["fields"] for f in ("reasoning_content", "thinking", "reasoning")
+        chat_template = self.tokenizer.chat_template
+        text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template)
+        return (
+            bool(template)
+            and any(f in template["fields"] for f in ("reasoning_content", "thinking", "reasoning"))
+            and any(k in text for k in ("reasoning_content", "thinking", "<think>"))
         )
 
     @property
@@ -262,4 +312,5 @@ class ChatFormat:
         raw = self.__dict__.get("_raw_template")
         if raw is None and template is not None:
             raw = self.__dict__["_raw_template"] = raw_call_template(template)
-        return OutputParser(template, raw, prompt_text, tools, allowed_names)
+        stops = tuple(sorted({self.token_text(i) for i in self.stop_ids}, key=len, reverse=True))
+        return OutputParser(template, raw, prompt_text, tools, allowed_names, stops)

@@ -46,7 +46,13 @@ FAMILIES: tuple[Family, ...] = (
         reasoning_key="thinking",
         stop_tokens=("<|return|>", "<|call|>"),
         one_call_per_turn=True,
-        template_patch={"fields": {"tool_calls": {"open_pattern": _GPT_OSS_CALL}}},
+        template_patch={
+            "fields": {
+                "tool_calls": {"open_pattern": _GPT_OSS_CALL},
+                # a final message ends generation with <|return|>; <|end|> also ends a message (harmony)
+                "content": {"close_pattern": r"(?:<\|return\|>|<\|end\|>)\s*"},
+            }
+        },
     ),
     Family(
         "glm4_moe",

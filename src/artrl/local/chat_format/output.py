@@ -64,13 +64,22 @@ def raw_call_template(template: dict[str, Any]) -> dict[str, Any]:
 class _Text:
     """One field's text, streamed. Trailing whitespace is held back until more text follows: it is dropped
     before a tool call (the template's separator) and, with `trim`, at both ends (reasoning, which templates
-    wrap in newlines)."""
+    wrap in newlines). The text of a stop token at the end (a region the template closes only with its own
+    marker, such as reasoning cut short) is held back and dropped the same way."""
 
-    def __init__(self, trim: bool) -> None:
-        self.trim = trim
+    def __init__(self, trim: bool, stops: tuple[str, ...]) -> None:
+        self.trim, self.stops = trim, stops
         self.started = False
         self.held = ""
         self.text = ""
+
+    def _keep(self, text: str) -> int:
+        keep = len(text.rstrip())
+        while True:
+            stop = next((s for s in self.stops if text[:keep].endswith(s)), None)
+            if stop is None:
+                return keep
+            keep = len(text[: keep - len(stop)].rstrip())
 
     def feed(self, text: str) -> str:
         if not self.started and self.trim:
@@ -78,12 +87,9 @@ class _Text:
         if not text:
             return ""
         self.started = True
-        body = text.rstrip()
-        if not body:
-            self.held += text
-            return ""
-        out = self.held + body
-        self.held = text[len(body) :]
+        text = self.held + text
+        keep = self._keep(text)
+        out, self.held = text[:keep], text[keep:]
         self.text += out
         return out
 
@@ -91,7 +97,10 @@ class _Text:
         self.held = ""
 
     def flush(self) -> str:
-        out, self.held = ("" if self.trim else self.held), ""
+        out = "" if self.trim else self.held
+        for stop in self.stops:
+            out = out.split(stop)[0]
+        self.held = ""
         self.text += out
         return out
 
@@ -106,6 +115,7 @@ class OutputParser:
         prompt_text: str,
         tools: list[dict[str, Any]] | None,
         allowed_names: set[str],
+        stop_texts: tuple[str, ...] = (),
     ) -> None:
         from transformers.utils.chat_parsing.response_parser import ResponseParser
 
@@ -119,7 +129,7 @@ class OutputParser:
         self._tools = tools
         self._allowed = allowed_names
         self._parser = ResponseParser(raw_template, prefix=prompt_text) if raw_template else None
-        self._content, self._reasoning = _Text(trim=False), _Text(trim=True)
+        self._content, self._reasoning = _Text(False, stop_texts), _Text(True, stop_texts)
         self._call_body = ""
         self.calls: list[ToolCall] = []
         self.finished = False
