@@ -31,7 +31,7 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory):
 
     def get(family: str) -> Path:
         if family not in built:
-            built[family] = build_family_model(tmp_path_factory.mktemp("family") / family, family, steps=150)
+            built[family] = build_family_model(tmp_path_factory.mktemp("family") / family, family)
         return built[family]
 
     return get

@@ -97,19 +97,20 @@ def run_train_agent(*args: str, timeout: float) -> str:
 
 @pytest.mark.slow
 def test_train_agent_learns_the_maze(tmp_path):
-    """The demo, shortened: pretraining stand-in + weak warm start + 12 GRPO steps on a LoRA. Validation
-    success on unseen mazes must rise far beyond noise (48 mazes: one standard error is <= 0.07)."""
+    """The demo, shortened: pretraining stand-in + weak warm start + 16 GRPO steps on a LoRA. Validation
+    success on unseen mazes must rise far beyond noise (48 mazes: one standard error is <= 0.07). At 12 steps
+    the gain was +0.23..+0.35 over 6 runs (batch timing changes the sampled tokens): too close to the bar."""
     out = tmp_path / "out"
     stdout = run_train_agent(
-        *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "12"),
-        *("--val-size", "48", "--eval-every", "6"),
+        *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16"),
+        *("--val-size", "48", "--eval-every", "8"),
         timeout=900,
     )
     summary = json.loads((out / "summary_seed0.json").read_text())
     before, after = summary["before"], summary["after"]
     assert after["success"] - before["success"] >= 0.25, summary["val_points"]
     assert after["reward"] - before["reward"] >= 0.15
-    assert len(summary["history"]) == 12 and [p[0] for p in summary["val_points"]] == [0, 6, 12]
+    assert len(summary["history"]) == 16 and [p[0] for p in summary["val_points"]] == [0, 8, 16]
     assert (out / "reward_curve_seed0.png").stat().st_size > 10_000
     assert set(summary["timings"]) == {
         *("pretraining", "warm_start", "register", "validation", "rollouts", "training")
@@ -150,8 +151,26 @@ def test_the_demo_runs_on_another_model_family(family, family_dirs, tmp_path):
     script = Path(__file__).parent.parent / "scripts" / "demo.sh"
     done = subprocess.run(
         [
-            *("bash", str(script), "--base-model", str(family_dirs(family)), "--path", str(tmp_path / "artrl")),
-            *("--out", str(out), "--steps", "1", "--val-size", "4", "--sft-examples", "32", "--eval-every", "0"),
+            *(
+                "bash",
+                str(script),
+                "--base-model",
+                str(family_dirs(family)),
+                "--path",
+                str(tmp_path / "artrl"),
+            ),
+            *(
+                "--out",
+                str(out),
+                "--steps",
+                "1",
+                "--val-size",
+                "4",
+                "--sft-examples",
+                "32",
+                "--eval-every",
+                "0",
+            ),
             *("--groups-per-step", "2", "--group-size", "2"),
         ],
         capture_output=True,

@@ -304,7 +304,9 @@ CASES = [
     pytest.param(chat(logit_bias={"50256": -100}), 400, id="logit_bias-nonempty"),
     pytest.param(chat(response_format={"type": "json_object"}), 400, id="response_format-json_object"),
     pytest.param(chat(chat_template_kwargs={"enable_thinking": False}), 400, id="template-kwarg-not-read"),
-    pytest.param(chat(chat_template_kwargs={"add_generation_prompt": False}), 400, id="template-kwarg-reserved"),
+    pytest.param(
+        chat(chat_template_kwargs={"add_generation_prompt": False}), 400, id="template-kwarg-reserved"
+    ),
     pytest.param(chat(chat_template_kwargs=["x"]), 400, id="template-kwargs-not-object"),
     # --- inputs that once crashed the gateway (500)
     pytest.param(

@@ -41,7 +41,9 @@ def test_a_turn_cut_short_is_closed_as_the_template_closes_it(tokenizer, chat_fo
     template's closing tokens as prompt."""
     builder = PromptBuilder(chat_format, CompletionStore(10))
     first, sampled, second = continued(builder, tokenizer, sampled_text="hello")
-    tail = tokenizer("<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    tail = tokenizer(
+        "<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     assert second.source == "continuation"
     assert second.ids == first.ids + sampled + tail["input_ids"]
 

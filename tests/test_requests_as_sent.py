@@ -101,7 +101,9 @@ async def test_special_tokens_in_a_tool_result_are_text(scripted, client, tokeni
         first.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": forged},
     ]
-    second = (await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)).choices[0]
+    second = (await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)).choices[
+        0
+    ]
     assert second.prompt_source == "continuation"
     new = second.prompt_token_ids[len(first.prompt_token_ids) + len(first.token_ids) :]
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -112,6 +114,9 @@ async def test_special_tokens_in_a_tool_result_are_text(scripted, client, tokeni
 TOOLS = [
     {
         "type": "function",
-        "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}},
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
+        },
     }
 ]

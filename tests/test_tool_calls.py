@@ -16,7 +16,10 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "lookup",
-            "parameters": {"type": "object", "properties": {"k": {"type": "integer"}, "s": {"type": "string"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"k": {"type": "integer"}, "s": {"type": "string"}},
+            },
         },
     },
     {"type": "function", "function": {"name": "move", "parameters": {"type": "object", "properties": {}}}},

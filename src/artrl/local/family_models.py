@@ -39,7 +39,9 @@ _THINK = ("<think>", "</think>")
 
 FAMILY_MODELS: dict[str, FamilySpec] = {
     # the Hermes family with its tool-call markers as *special* tokens (decoding must keep them)
-    "qwen2_5": FamilySpec("qwen2_5_chat_template", (*_CHATML, *_HERMES), stops=("<|im_end|>", "<|endoftext|>")),
+    "qwen2_5": FamilySpec(
+        "qwen2_5_chat_template", (*_CHATML, *_HERMES), stops=("<|im_end|>", "<|endoftext|>")
+    ),
     "qwen3": FamilySpec(
         "qwen3_chat_template",
         _CHATML,
@@ -167,9 +169,15 @@ def fixture_conversation(rng: random.Random, spec: FamilySpec, index: int) -> di
         arguments = {"a": a, "b": b} if tool == "add" else {"key": key}
         result = str(a + b) if tool == "add" else f"{key} is {rng.choice(_WORDS)}"
         call_id = f"call_{index}_{turn}"
-        call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": json.dumps(arguments)}}
+        call = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": tool, "arguments": json.dumps(arguments)},
+        }
         message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
-        if thinking and rng.random() < 0.7:  # sometimes a call without reasoning (as a forced tool_choice makes)
+        if (
+            thinking and rng.random() < 0.7
+        ):  # sometimes a call without reasoning (as a forced tool_choice makes)
             message["reasoning_content"] = f"I should call {tool}."
         messages += [message, {"role": "tool", "tool_call_id": call_id, "content": result}]
     final: dict[str, Any] = {"role": "assistant", "content": f"Done: {result}."}
@@ -202,14 +210,25 @@ def _tokenizer(spec: FamilySpec, template: str, corpus: list[str], vocab_size: i
     return fast
 
 
-def _render_text(tokenizer_like: Any, conv: dict[str, Any]) -> str:
-    return tokenizer_like.apply_chat_template(
-        conv["messages"], tools=conv["tools"], tokenize=False, **conv["kwargs"]
+def _corpus_text(template: str, spec: FamilySpec, conv: dict[str, Any]) -> str:
+    """A conversation rendered with the family's template before its tokenizer exists (tokenizer corpus)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from artrl.local.chat_format.chat_format import template_messages
+
+    rendered, _ = render_jinja_template(
+        conversations=[template_messages(conv["messages"])],
+        tools=conv["tools"],
+        chat_template=template,
+        bos_token=spec.bos or "",
+        eos_token=spec.eos,
+        **conv["kwargs"],
     )
+    return rendered[0]
 
 
 def build_family_model(
-    out_dir: str | os.PathLike[str], family: str, *, steps: int = 300, seed: int = 0
+    out_dir: str | os.PathLike[str], family: str, *, steps: int = 150, seed: int = 0
 ) -> Path:
     """Build the tiny `family` model folder at `out_dir` (see FAMILY_MODELS), deterministically."""
     import trl.chat_template_utils as trl_templates
@@ -226,8 +245,8 @@ def build_family_model(
     shape = TINY_MODEL_PRESETS["tiny"]
     rng = random.Random(f"{family}-{seed}")
     conversations = [fixture_conversation(rng, spec, i) for i in range(400)]
-    renderer = _TemplateOnly(template, spec)
-    tokenizer = _tokenizer(spec, template, [_render_text(renderer, c) for c in conversations], shape.vocab_size)
+    corpus = [_corpus_text(template, spec, c) for c in conversations]
+    tokenizer = _tokenizer(spec, template, corpus, shape.vocab_size)
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in spec.stops]
     fmt = ChatFormat.for_tokenizer(tokenizer, extra_stop_ids=stop_ids)
     rows = []
@@ -243,30 +262,10 @@ def build_family_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "artrl_family_model.json").write_text(json.dumps({"family": family, "steps": steps, "seed": seed}) + "\n")
+    (out / "artrl_family_model.json").write_text(
+        json.dumps({"family": family, "steps": steps, "seed": seed}) + "\n"
+    )
     return out
-
-
-class _TemplateOnly:
-    """Renders a chat template before the tokenizer exists (for the tokenizer's training corpus)."""
-
-    def __init__(self, template: str, spec: FamilySpec) -> None:
-        self.template, self.spec = template, spec
-
-    def apply_chat_template(self, messages, tools=None, tokenize=False, **kwargs):
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        from artrl.local.chat_format.chat_format import template_messages
-
-        rendered, _ = render_jinja_template(
-            conversations=[template_messages(messages)],
-            tools=tools,
-            chat_template=self.template,
-            bos_token=self.spec.bos or "",
-            eos_token=self.spec.eos,
-            **kwargs,
-        )
-        return rendered[0]
 
 
 def _tiny_network(spec: FamilySpec, shape, vocab: int, tokenizer, stop_ids: list[int], seed: int):
@@ -312,7 +311,9 @@ def _fit(model, rows, steps: int, pad_id: int, seed: int, batch: int = 16, lr: f
         for k, row in enumerate(chosen):
             ids[k, : len(row.ids)] = torch.tensor(row.ids)
             mask[k, : len(row.ids)] = torch.tensor(row.mask, dtype=torch.float)
-        attention = (torch.arange(width)[None, :] < torch.tensor([len(r.ids) for r in chosen])[:, None]).long()
+        attention = (
+            torch.arange(width)[None, :] < torch.tensor([len(r.ids) for r in chosen])[:, None]
+        ).long()
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # (B, T-1, V)
         loss_each = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"

@@ -82,9 +82,7 @@ def has_untracked_turns(traj: Trajectory) -> bool:
     return False
 
 
-def rows_from_calls(
-    calls: list[tuple[list[int], list[int], list[float] | None]], index: int
-) -> list[Row]:
+def rows_from_calls(calls: list[tuple[list[int], list[int], list[float] | None]], index: int) -> list[Row]:
     """Rows of one trajectory from its calls in order, each (prompt ids, sampled ids, their logprobs)."""
     rows: list[Row] = []
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()

@@ -106,7 +106,9 @@ class LocalService:
         chat_format: str | None = None,
     ) -> LocalService:
         """Put a gateway in front of an engine that is already running."""
-        fmt = ChatFormat.for_tokenizer(tokenizer, chat_format, extra_stop_ids=end_of_turn_ids(model, tokenizer))
+        fmt = ChatFormat.for_tokenizer(
+            tokenizer, chat_format, extra_stop_ids=end_of_turn_ids(model, tokenizer)
+        )
         builder = PromptBuilder(fmt, CompletionStore(gateway_config.completion_store_size))
         serving = ChatServing(
             engine, fmt, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n

@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from artrl.local.chat_format.families import Family, detect_family, family_named, response_template
@@ -47,7 +48,11 @@ def template_variables(chat_template: str) -> frozenset[str]:
     env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
     found = jinja2.meta.find_undeclared_variables(env.parse(text))
     assigned = set(re.findall(r"\{%-?\s*(?:set|macro)\s+(\w+)", text))
-    assigned |= {n for group in re.findall(r"\{%-?\s*for\s+([\w\s,]+?)\s+in\b", text) for n in re.split(r"[\s,]+", group)}
+    assigned |= {
+        n
+        for group in re.findall(r"\{%-?\s*for\s+([\w\s,]+?)\s+in\b", text)
+        for n in re.split(r"[\s,]+", group)
+    }
     tested = set(re.findall(r"(\w+)\s+is\s+(?:not\s+)?defined", text))
     return frozenset(n for n in found if (n not in assigned or n in tested) and n not in _TEMPLATE_GLOBALS)
 
@@ -127,30 +132,31 @@ class ChatFormat:
         return cls(tokenizer, family, how, frozenset(stops), template_variables(template))
 
     # ------------------------------------------------------------------ control tokens
-    @property
+    @cached_property
     def control_tokens(self) -> tuple[str, ...]:
         """Added tokens that text from messages must never turn into: special ones, and those the template
         writes itself (such as a non-special <tool_call>)."""
-        cached = self.__dict__.get("_control_tokens")
-        if cached is None:
-            template = self.tokenizer.chat_template
-            text = template if isinstance(template, str) else json.dumps(template)
-            cached = tuple(
-                t.content
-                for t in self.tokenizer.added_tokens_decoder.values()
-                if t.special or (t.content in text and not t.content.isspace())
-            )
-            self.__dict__["_control_tokens"] = cached
-        return cached
+        text = self._template_text
+        return tuple(
+            t.content
+            for t in self.tokenizer.added_tokens_decoder.values()
+            if t.special or (t.content in text and not t.content.isspace())
+        )
+
+    @cached_property
+    def _control_re(self) -> re.Pattern[str]:
+        longest_first = sorted(self.control_tokens, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+
+    @cached_property
+    def _template_text(self) -> str:
+        template = self.tokenizer.chat_template
+        return template if isinstance(template, str) else json.dumps(template)
 
     def _marked(self, value: Any) -> Any:
         from transformers.utils.chat_template_utils import mark_control_tokens
 
-        pattern = self.__dict__.get("_control_re")
-        if pattern is None:
-            longest_first = sorted(self.control_tokens, key=len, reverse=True)
-            pattern = self.__dict__["_control_re"] = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
-        return mark_control_tokens(value, pattern)
+        return mark_control_tokens(value, self._control_re)
 
     # ------------------------------------------------------------------ rendering and encoding
     def check_kwargs(self, kwargs: dict[str, Any]) -> None:
@@ -218,7 +224,11 @@ class ChatFormat:
         prompt = self.render(messages, tools, True, kwargs)
 
         def span(function: str, arguments: dict[str, Any]) -> str | None:
-            call = {"id": "call_probe", "type": "function", "function": {"name": function, "arguments": arguments}}
+            call = {
+                "id": "call_probe",
+                "type": "function",
+                "function": {"name": function, "arguments": arguments},
+            }
             turn = {"role": "assistant", "content": "", "tool_calls": [call]}
             text = self.render([*messages, turn], tools, False, kwargs)
             return text[len(prompt) :] if text.startswith(prompt) else None
@@ -248,7 +258,9 @@ class ChatFormat:
 
     # ------------------------------------------------------------------ continuation
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     def continuation_text(self, before: str, after: str, sampled: Sequence[int]) -> str | None:
         """What follows a recorded completion's sampled ids so that they continue into `after`.
@@ -261,7 +273,7 @@ class ChatFormat:
         rest = after[len(before) :]
         body = before.rstrip()
         spacing = before[len(body) :]
-        stops = sorted({self.token_text(i) for i in self.stop_ids}, key=len, reverse=True)
+        stops = self.stop_texts
         if sampled and sampled[-1] in self.stop_ids:
             stop = self.token_text(sampled[-1])
             if body.endswith(stop):
@@ -276,41 +288,42 @@ class ChatFormat:
             return rest
         return None
 
+    @cached_property
+    def stop_texts(self) -> tuple[str, ...]:
+        """The text of each stop token, longest first."""
+        return tuple(sorted({self.token_text(i) for i in self.stop_ids}, key=len, reverse=True))
+
     # ------------------------------------------------------------------ output
-    @property
+    @cached_property
     def reasoning(self) -> bool:
         """The model writes reasoning that the format parses and the template renders back."""
         template = response_template(self.family.name)
-        chat_template = self.tokenizer.chat_template
-        text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template)
         return (
             bool(template)
             and any(f in template["fields"] for f in ("reasoning_content", "thinking", "reasoning"))
-            and any(k in text for k in ("reasoning_content", "thinking", "<think>"))
+            and any(k in self._template_text for k in ("reasoning_content", "thinking", "<think>"))
         )
 
-    @property
+    @cached_property
     def skip_ids(self) -> frozenset[int]:
         """Special tokens that do not appear in the output as text (those that are not the format's markup)."""
-        cached = self.__dict__.get("_skip_ids")
-        if cached is None:
-            template = response_template(self.family.name)
-            markup = json.dumps(template) if template else ""
-            cached = frozenset(
-                i
-                for i, t in self.tokenizer.added_tokens_decoder.items()
-                if t.special and t.content not in markup and re.escape(t.content) not in markup
-                and json.dumps(re.escape(t.content))[1:-1] not in markup
-            )
-            self.__dict__["_skip_ids"] = cached
-        return cached
+        template = response_template(self.family.name)
+        markup = json.dumps(template) if template else ""
+        return frozenset(
+            i
+            for i, t in self.tokenizer.added_tokens_decoder.items()
+            if t.special
+            and not any(form in markup for form in (t.content, json.dumps(re.escape(t.content))[1:-1]))
+        )
+
+    @cached_property
+    def _raw_template(self) -> dict[str, Any] | None:
+        template = response_template(self.family.name)
+        return raw_call_template(template) if template is not None else None
 
     def output_parser(
         self, prompt_text: str, tools: list[dict[str, Any]] | None, allowed_names: set[str]
     ) -> OutputParser:
+        """A parser for one sampled sequence after `prompt_text` (the rendered prompt)."""
         template = response_template(self.family.name)
-        raw = self.__dict__.get("_raw_template")
-        if raw is None and template is not None:
-            raw = self.__dict__["_raw_template"] = raw_call_template(template)
-        stops = tuple(sorted({self.token_text(i) for i in self.stop_ids}, key=len, reverse=True))
-        return OutputParser(template, raw, prompt_text, tools, allowed_names, stops)
+        return OutputParser(template, self._raw_template, prompt_text, tools, allowed_names, self.stop_texts)

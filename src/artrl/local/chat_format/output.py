@@ -28,7 +28,11 @@ class ToolCall:
     arguments: str  # JSON text, as in the OpenAI API
 
     def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,6 @@ class OutputParser:
         self._content, self._reasoning = _Text(False, stop_texts), _Text(True, stop_texts)
         self._call_body = ""
         self.calls: list[ToolCall] = []
-        self.finished = False
         self._pending = self._route(self._parser.initial_events) if self._parser else []
 
     @property
@@ -153,7 +156,6 @@ class OutputParser:
         pieces, self._pending = self._pending, []
         if self._parser is not None:
             pieces += self._route(self._parser.finalize()[1])
-        self.finished = True
         tail = self._content.flush()
         return [*pieces, Piece("content", tail)] if tail else pieces
 
@@ -176,7 +178,9 @@ class OutputParser:
             elif event["type"] == "region_open" and field in _REASONING_FIELDS:
                 self._content.drop_held()  # the whitespace before a reasoning block is the template's
             elif event["type"] == "region_chunk":
-                kind = "reasoning" if field in _REASONING_FIELDS else "content" if field == "content" else None
+                kind = (
+                    "reasoning" if field in _REASONING_FIELDS else "content" if field == "content" else None
+                )
                 if kind is not None:
                     pieces += self._text(kind, event["text"])
         return pieces
@@ -197,7 +201,7 @@ class OutputParser:
 
         try:
             parsed = parse_response(raw, self._template, prefix="", tools=self._tools)
-        except (ValueError, TypeError, KeyError):
+        except Exception:  # whatever the model wrote, a call that does not parse is content, not an error
             return None
         calls = parsed.get("tool_calls") or []
         function = calls[0].get("function") if len(calls) == 1 and isinstance(calls[0], dict) else None

@@ -107,7 +107,9 @@ class TemplateReport:
         ]
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"PROBLEM: {p}" for p in self.problems]
-        lines.append("verdict: " + ("artrl can train this model token-exactly" if self.ok else "NOT trainable as is"))
+        lines.append(
+            "verdict: " + ("artrl can train this model token-exactly" if self.ok else "NOT trainable as is")
+        )
         return "\n".join(lines)
 
 

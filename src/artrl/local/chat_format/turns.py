@@ -46,10 +46,6 @@ def _with_sentinel(messages: list[dict[str, Any]], j: int, at_start: bool) -> li
     return [*messages[:j], {**messages[j], "content": marked}, *messages[j + 1 :]]
 
 
-def _stop_texts(fmt: ChatFormat) -> list[str]:
-    return sorted({fmt.token_text(s) for s in fmt.stop_ids}, key=len, reverse=True)
-
-
 def assistant_span(
     fmt: ChatFormat,
     messages: list[dict[str, Any]],
@@ -81,7 +77,7 @@ def assistant_span(
                 f"the chat template renders assistant message {i} differently from its generation prompt"
             )
         span = tail[len(head) :]
-    stops = _stop_texts(fmt)
+    stops = list(fmt.stop_texts)
     body = span.rstrip()
     if any(body.endswith(stop) for stop in stops):
         return body

@@ -95,7 +95,11 @@ class PromptBuilder:
         if last is not None:
             stored = self._store.get(_key(messages[: last + 1], tools, kwargs))
             if stored is not None and stored.reasoning and not messages[last].get("reasoning_content"):
-                messages = [*messages[:last], {**messages[last], "reasoning_content": stored.reasoning}, *messages[last + 1 :]]
+                messages = [
+                    *messages[:last],
+                    {**messages[last], "reasoning_content": stored.reasoning},
+                    *messages[last + 1 :],
+                ]
         text = self.render(messages, tools, True, kwargs)
         ids, source = None, "rendered"
         if stored is not None:
