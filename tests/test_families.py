@@ -63,6 +63,9 @@ async def test_tool_call_streamed_and_not(served_family):
     reasoning = (choice.message.model_extra or {}).get("reasoning_content")
     assert bool(reasoning) == (family in REASONS)
     assert choice.prompt_source == "rendered"
+    if family == "qwen2_5":  # its markers are special tokens, which skip_special_tokens would have dropped
+        markers = {t.content: t.special for t in model_tokenizer(model).added_tokens_decoder.values()}
+        assert markers["<tool_call>"] and markers["</tool_call>"]
 
     stream = await chat(model, ASK, temperature=0, stream=True)
     text, thought, calls, finish, ids = "", "", [], None, None

@@ -31,8 +31,8 @@ def _tiny_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
 def _check_template(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from artrl.local.chat_format import ChatFormat
-    from artrl.local.chat_format.probe import check_template
     from artrl.local.loading import load_tokenizer, stop_ids_of
+    from artrl.local.template_check import check_template
 
     try:
         kwargs = json.loads(args.kwargs) if args.kwargs else {}

@@ -237,6 +237,7 @@ def build_family_model(
     from artrl.local.chat_format import ChatFormat
     from artrl.local.chat_format.turns import simulate_turns
     from artrl.local.rows import rows_from_calls
+    from artrl.local.tiny_model import init_network
 
     if family not in FAMILY_MODELS:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILY_MODELS)}")
@@ -253,7 +254,14 @@ def build_family_model(
     for i, conv in enumerate(conversations):
         turns = simulate_turns(fmt, conv["messages"], conv["tools"], conv["kwargs"])
         rows += rows_from_calls([(t.prompt_ids, t.sampled_ids, None) for t in turns], i)
-    model = _tiny_network(spec, shape, len(tokenizer), tokenizer, stop_ids, seed)
+    model = init_network(
+        shape.model_copy(update={"seed": seed}),
+        len(tokenizer),
+        eos_id=stop_ids,
+        pad_id=tokenizer.pad_token_id,
+        bos_id=tokenizer.bos_token_id,
+        architecture=spec.architecture,
+    )
     _fit(model, rows, steps, pad_id=tokenizer.pad_token_id, seed=seed)
     model.generation_config = GenerationConfig(
         eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id, bos_token_id=model.config.bos_token_id
@@ -266,34 +274,6 @@ def build_family_model(
         json.dumps({"family": family, "steps": steps, "seed": seed}) + "\n"
     )
     return out
-
-
-def _tiny_network(spec: FamilySpec, shape, vocab: int, tokenizer, stop_ids: list[int], seed: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    config_class, model_class = (
-        (LlamaConfig, LlamaForCausalLM) if spec.architecture == "llama" else (Qwen3Config, Qwen3ForCausalLM)
-    )
-    config = config_class(
-        vocab_size=vocab,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        tie_word_embeddings=True,
-        eos_token_id=stop_ids,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        torch_dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return model_class(config)
 
 
 def _fit(model, rows, steps: int, pad_id: int, seed: int, batch: int = 16, lr: float = 3e-3) -> None:

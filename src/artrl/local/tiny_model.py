@@ -244,10 +244,46 @@ def _train_tokenizer(config: TinyModelConfig):
     return fast
 
 
+def init_network(
+    shape: TinyModelConfig,
+    vocab_size: int,
+    *,
+    eos_id: int | list[int],
+    pad_id: int,
+    bos_id: int | None = None,
+    architecture: str = "qwen3",
+):
+    """A randomly initialised causal LM of `shape` (Qwen3 or Llama architecture), seeded by `shape.seed`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_class, model_class = (
+        (LlamaConfig, LlamaForCausalLM) if architecture == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    )
+    model_config = config_class(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        tie_word_embeddings=shape.tie_word_embeddings,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(shape.seed)
+        return model_class(model_config)
+
+
 def build_tiny_model(out_dir: str | os.PathLike[str], config: TinyModelConfig | str = "tiny") -> Path:
     """Build (or rebuild) a model folder at `out_dir`; the same config always gives the same bytes."""
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
 
     if isinstance(config, str):
         if config not in TINY_MODEL_PRESETS:
@@ -260,25 +296,7 @@ def build_tiny_model(out_dir: str | os.PathLike[str], config: TinyModelConfig | 
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens > vocab_size {config.vocab_size}")
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    model_config = Qwen3Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=config.tie_word_embeddings,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        torch_dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = Qwen3ForCausalLM(model_config)
+    model = init_network(config, config.vocab_size, eos_id=eos_id, pad_id=pad_id)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -16,6 +16,7 @@ from typing import Any
 from artrl.local.chat_format.chat_format import ChatFormat, TemplateRenderError
 from artrl.local.chat_format.families import response_template
 from artrl.local.chat_format.turns import UnrenderableTurnError, assistant_span, simulate_turns
+from artrl.local.rows import rows_from_calls
 
 PROBE_TOOLS = [
     {
@@ -143,8 +144,6 @@ def check_template(fmt: ChatFormat, model: str, kwargs: dict[str, Any] | None = 
     except (TemplateRenderError, UnrenderableTurnError) as exc:
         report.problems.append(str(exc))
         return report
-    from artrl.local.rows import rows_from_calls
-
     report.turn_sources = [t.source for t in turns]
     report.continues_after_tool_results = all(t.source == "continuation" for t in turns[1:3])
     report.continues_after_user_turn = turns[3].source == "continuation"
