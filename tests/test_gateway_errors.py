@@ -372,6 +372,42 @@ async def test_concurrent_malformed_requests_all_get_4xx(served):
         await assert_serving(client, base_url)
 
 
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("text/plain", 415),  # what a web page may POST cross-site without a preflight
+        ("application/x-www-form-urlencoded", 415),
+        ("multipart/form-data; boundary=x", 415),
+        (None, 415),
+        ("application/json; charset=utf-8", 200),
+    ],
+)
+async def test_a_body_must_be_declared_json(served, content_type, status):
+    body = json.dumps({"model": served.name, "messages": [USER_HI], "max_tokens": 2}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(
+            f"{served.inference_base_url}/chat/completions", content=body, headers=headers
+        )
+    assert response.status_code == status, response.text
+    if status == 415:
+        assert response.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_serving_beyond_loopback_needs_a_key_or_an_explicit_opt_out():
+    from artrl.config import GatewayConfig
+
+    for host in ("0.0.0.0", "192.168.1.5", "::"):
+        with pytest.raises(ValueError, match=r"api_key=.*allow_unauthenticated=True"):
+            GatewayConfig(host=host)
+        assert GatewayConfig(host=host, api_key="k").api_key == "k"
+        assert GatewayConfig(host=host, allow_unauthenticated=True).host == host
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        assert GatewayConfig(host=host).api_key is None
+    with pytest.raises(ValueError, match="at least 1 character"):
+        GatewayConfig(api_key="")
+
+
 async def test_api_key_is_required_on_v1_routes_only(tokenizer):
     from fakes import ScriptedEngine
 
@@ -414,7 +450,8 @@ async def test_api_key_is_required_on_v1_routes_only(tokenizer):
                 await client.get(f"{base_url}/models", headers={"Authorization": "bearer sekret"})
             ).status_code == 200
             # with the key, malformed requests are still ordinary 400s
-            assert_error(await client.post(url, content=b"{not json", headers=headers), 400)
+            json_type = {"content-type": "application/json"}
+            assert_error(await client.post(url, content=b"{not json", headers={**headers, **json_type}), 400)
 
         wrong = openai.AsyncOpenAI(base_url=base_url, api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):

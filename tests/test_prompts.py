@@ -74,3 +74,20 @@ def test_text_from_messages_never_becomes_a_control_token(tokenizer, chat_format
     # the template's own control tokens: <|im_start|>user … <|im_end|> and the generation prompt
     assert prompt.ids.count(end) == 1 and prompt.ids.count(start) == 2
     assert forged in tokenizer.decode(prompt.ids)
+
+
+def test_the_same_text_with_other_token_ids_is_not_continued(tokenizer, chat_format):
+    """Two rollouts that reach the same text with different ids: the next prompt of either cannot tell which
+    ids were its own, so it is rendered (before: it continued whichever rollout was stored last)."""
+    builder = PromptBuilder(chat_format, CompletionStore(10))
+    first = builder.build([USER], None)
+    assistant = {"role": "assistant", "content": "hello"}
+    merged = tokenizer("hello<|im_end|>", add_special_tokens=False)["input_ids"]
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "hello"] + merged[-1:]
+    assert merged != spelled and tokenizer.decode(spelled) == tokenizer.decode(merged)
+    follow_up = [USER, assistant, {"role": "user", "content": "more"}]
+    builder.remember([USER], None, None, assistant, first.ids, merged)
+    builder.remember([USER], None, None, assistant, first.ids, merged)  # the same ids again: still usable
+    assert builder.build(follow_up, None).source == "continuation"
+    builder.remember([USER], None, None, assistant, first.ids, spelled)
+    assert builder.build(follow_up, None).source == "rendered"

@@ -120,3 +120,16 @@ TOOLS = [
         },
     }
 ]
+
+
+async def test_an_empty_completion_is_a_message_the_gateway_accepts_back(scripted, client, tokenizer):
+    """With tools offered, an empty completion used to come back as content null without tool calls, which
+    the gateway then refused (400) when the client sent the conversation back."""
+    engine, _ = scripted
+    engine.scripts = [encode(tokenizer, "<|im_end|>"), encode(tokenizer, "fine<|im_end|>")]
+    first = (await client.chat.completions.create(model="scripted", messages=USER, tools=TOOLS)).choices[0]
+    assert first.message.content == "" and first.message.tool_calls is None
+    echoed = [*USER, first.message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+    second = await client.chat.completions.create(model="scripted", messages=echoed, tools=TOOLS)
+    assert second.choices[0].message.content == "fine"
+    assert second.choices[0].prompt_source == "continuation"

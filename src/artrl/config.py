@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Frozen(BaseModel):
@@ -120,12 +120,20 @@ class EngineConfig(_Frozen):
 
 
 class GatewayConfig(_Frozen):
-    """The OpenAI-compatible HTTP gateway."""
+    """The OpenAI-compatible HTTP gateway.
+
+    It listens on loopback by default. Bound anywhere else it needs an `api_key` (anyone who can reach the
+    port could otherwise generate, read captures and change nothing less than the training data), unless
+    `allow_unauthenticated=True` says that the network is trusted.
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 = a free port chosen at start")
     api_key: str | None = Field(
-        default=None, description="if set, requests need `Authorization: Bearer <key>`"
+        default=None, min_length=1, description="if set, requests need `Authorization: Bearer <key>`"
+    )
+    allow_unauthenticated: bool = Field(
+        default=False, description="serve on a non-loopback host without an api_key (a trusted network)"
     )
     completion_store_size: int = Field(
         default=20_000, ge=0, description="completions remembered for token-exact continuation (LRU)"
@@ -140,6 +148,27 @@ class GatewayConfig(_Frozen):
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_open_captures: int = Field(default=4096, ge=1, description="`artrl.capture` blocks open at once")
     max_capture_records: int = Field(default=10_000, ge=1, description="calls recorded by one capture")
+
+    @model_validator(mode="after")
+    def _key_beyond_loopback(self) -> GatewayConfig:
+        if not is_loopback(self.host) and self.api_key is None and not self.allow_unauthenticated:
+            raise ValueError(
+                f"GatewayConfig(host={self.host!r}) would serve on the network without a key: set "
+                "api_key='...' (clients send it as a Bearer token), or allow_unauthenticated=True on a "
+                "trusted network"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ClientConfig(_Frozen):

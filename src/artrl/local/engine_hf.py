@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from artrl.local.engine import SequenceStream
-from artrl.local.sampling import SamplingParams, sample_rows
+from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,13 @@ class _Batch:
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H_kv, T, D)
     values: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H_kv, T, D)
     mask: torch.Tensor | None = None  # (B, T) long, 0 on padding
+
+
+def _fail(sequences: list[_Sequence], message: str, reason: str = "error") -> None:
+    for seq in sequences:
+        if not seq.done:
+            seq.done = True
+            seq.stream.end(reason, message)  # type: ignore[arg-type]
 
 
 def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -144,8 +151,8 @@ class HFEngine:
                         self._decode_step()
                         self._drop_finished()
             except Exception as exc:  # never let one bad batch kill the engine thread
-                log.exception("engine step failed")
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                log.exception("engine step failed")  # the running batch is lost; queued requests are not
+                self._fail_running(f"{type(exc).__name__}: {exc}")
         self._fail_all("engine closed", reason="abort")
         for job in self._jobs:
             job.future.set_exception(RuntimeError("engine closed"))
@@ -173,11 +180,12 @@ class HFEngine:
         self._closed = True
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
-        for seq in [s for r in self._pending for s in r.sequences] + self._batch.sequences:
-            if not seq.done:
-                seq.done = True
-                seq.stream.end(reason, message)  # type: ignore[arg-type]
+        _fail([s for r in self._pending for s in r.sequences], message, reason)
         self._pending = []
+        self._fail_running(message, reason)
+
+    def _fail_running(self, message: str, reason: str = "error") -> None:
+        _fail(self._batch.sequences, message, reason)
         self._batch = _Batch()
 
     def _admit(self) -> None:
@@ -192,7 +200,22 @@ class HFEngine:
             admitted.append(request)
             room -= len(request.sequences)
         if admitted:
-            self._prefill(admitted)
+            self._prefill_isolated(admitted)
+
+    def _prefill_isolated(self, requests: list[_Request]) -> None:
+        """Prefill the requests together; if that fails (out of memory on a long prompt, say), each on its
+        own, so that only a request whose own prefill fails ends with an error."""
+        try:
+            self._prefill(requests)
+            return
+        except Exception as exc:
+            if len(requests) == 1:
+                log.warning("prefill failed: %s: %s", type(exc).__name__, exc)
+                _fail(requests[0].sequences, f"{type(exc).__name__}: {exc}")
+                return
+            log.warning("a batched prefill failed (%s: %s); prefilling one by one", type(exc).__name__, exc)
+        for request in requests:
+            self._prefill_isolated([request])
 
     def _forward(self, input_ids, mask, positions, keys, values):
         cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True))) if keys else DynamicCache()
@@ -253,15 +276,59 @@ class HFEngine:
         ids = torch.tensor([[s.last_token] for s in batch.sequences], device=self._device)  # (B, 1)
         positions = torch.tensor([[s.position] for s in batch.sequences], device=self._device)  # (B, 1)
         mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.sequences), 1))], dim=1)  # (B, T+1)
-        logits, batch.keys, batch.values = self._forward(ids, mask, positions, batch.keys, batch.values)
-        batch.mask = mask
+        try:
+            logits, keys, values = self._forward(ids, mask, positions, batch.keys, batch.values)
+        except Exception as exc:
+            if len(batch.sequences) == 1:
+                raise
+            log.warning("a batched decode step failed (%s: %s); decoding row by row", type(exc).__name__, exc)
+            self._decode_rows(ids, positions, mask)
+            return
+        batch.keys, batch.values, batch.mask = keys, values, mask
         self._emit(batch.sequences, logits)
+
+    def _decode_rows(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
+        """The step again, one sequence at a time: a sequence whose step still fails ends with an error, the
+        others keep their place in the batch."""
+        batch = self._batch
+        kept, logits, keys, values = [], [], [], []
+        for row, seq in enumerate(batch.sequences):
+            one = slice(row, row + 1)
+            try:
+                out = self._forward(
+                    ids[one],
+                    mask[one],
+                    positions[one],
+                    [k[one] for k in batch.keys],
+                    [v[one] for v in batch.values],
+                )
+            except Exception as exc:
+                _fail([seq], f"{type(exc).__name__}: {exc}")
+                continue
+            kept.append(row)
+            logits.append(out[0])
+            keys.append(out[1])
+            values.append(out[2])
+        sequences = [batch.sequences[i] for i in kept]
+        if not sequences:
+            self._batch = _Batch()
+            return
+        self._batch = _Batch(
+            sequences,
+            [torch.cat(layer) for layer in zip(*keys, strict=True)],  # per layer (B', H, T+1, D)
+            [torch.cat(layer) for layer in zip(*values, strict=True)],
+            mask[torch.tensor(kept, device=mask.device)],  # (B', T+1)
+        )
+        self._emit(sequences, torch.cat(logits))  # (B', V)
 
     def _emit(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from logits (S, V), push it, and mark finished sequences."""
         choices = sample_rows(logits, [s.params for s in sequences], [s.generator for s in sequences])
         for seq, choice in zip(sequences, choices, strict=True):
             if seq.done or seq.stream.aborted:
+                continue
+            if isinstance(choice, SamplingError):
+                _fail([seq], str(choice))
                 continue
             seq.stream.push(choice)
             seq.generated += 1

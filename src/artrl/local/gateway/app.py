@@ -40,6 +40,25 @@ def create_app(
     store = captures if captures is not None else CaptureStore()
 
     @app.middleware("http")
+    async def json_only(request: Request, call_next):
+        """A body must be JSON (and say so): a web page's form or text/plain POST — which browsers send
+        cross-site without asking — never reaches the gateway."""
+        if request.method in ("POST", "PUT", "PATCH"):
+            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            has_body = (
+                request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+            )
+            if (
+                kind or has_body or request.url.path.endswith("/chat/completions")
+            ) and kind != "application/json":
+                return _error(
+                    415,
+                    f"Content-Type must be application/json (got {kind or 'none'})",
+                    "unsupported_media_type",
+                )
+        return await call_next(request)
+
+    @app.middleware("http")
     async def authenticate(request: Request, call_next):
         guarded = api_key is not None and request.url.path.startswith(("/v1/", "/capture/"))
         scheme, _, given = request.headers.get("authorization", "").partition(" ")

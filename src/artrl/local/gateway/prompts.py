@@ -39,8 +39,16 @@ class Prompt:
     text: str = ""  # the rendered prompt (what the output parser reads its context from)
 
 
+_AMBIGUOUS = StoredCompletion(array("i"), array("i"))
+
+
 class CompletionStore:
-    """The completions the gateway served, by conversation key; least recently used ones are forgotten."""
+    """The completions the gateway served, by conversation key; least recently used ones are forgotten.
+
+    Two rollouts can reach the same conversation text with different token ids (the same text sampled as
+    other tokens, or a prompt reached another way). The text cannot tell them apart, so such a key is
+    ambiguous: `get` returns None and the next prompt is rendered afresh rather than continuing one
+    rollout's ids in another's conversation. The same ids under one key (greedy rollouts) stay usable."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -49,6 +57,12 @@ class CompletionStore:
     def put(self, key: str, completion: StoredCompletion) -> None:
         if self._capacity == 0:
             return
+        known = self._items.get(key)
+        if known is not None and (known.prompt_ids, known.token_ids) != (
+            completion.prompt_ids,
+            completion.token_ids,
+        ):
+            completion = _AMBIGUOUS
         self._items[key] = completion
         self._items.move_to_end(key)
         while len(self._items) > self._capacity:
@@ -58,7 +72,7 @@ class CompletionStore:
         found = self._items.get(key)
         if found is not None:
             self._items.move_to_end(key)
-        return found
+        return None if found is _AMBIGUOUS else found
 
     def __len__(self) -> int:
         return len(self._items)

@@ -1,0 +1,94 @@
+"""One bad request fails only itself: a prompt whose prefill fails, a sequence whose decode step fails, or a
+temperature so small that 1/T overflows; every other sequence in the batch finishes as if alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import torch
+
+from artrl.local.engine import EngineError
+from artrl.local.engine_hf import HFEngine
+from artrl.local.sampling import SamplingParams
+
+POISON = 1234  # a prompt holding this token fails at prefill
+FAIL_AT = 57  # a decode step at this position fails (only the sequence whose prompt is 50 tokens long gets there)
+
+
+class FaultyModel(torch.nn.Module):
+    """The real tiny model, except that it fails the way an out-of-memory or a kernel error would, for one
+    input only (a fake of a failing model, not a mock: everything else is computed for real)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep, cache=None):
+        if input_ids.shape[1] > 1 and bool((input_ids == POISON).any()):
+            raise RuntimeError("simulated out of memory in prefill")
+        if input_ids.shape[1] == 1 and bool((position_ids == FAIL_AT).any()):
+            raise RuntimeError("simulated kernel failure in decode")
+        return self.inner(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            cache=cache,
+        )
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+async def tokens(stream) -> list[int]:
+    return [c.token_id async for c in stream]
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+PROMPTS = [[5, 17, 300, 42], list(range(100, 130))]
+
+
+async def test_a_failing_prefill_or_decode_fails_only_its_sequence(hf_model):
+    healthy = HFEngine(hf_model, max_context=2048)
+    faulty = HFEngine(FaultyModel(hf_model), max_context=2048)
+    try:
+        alone = [await tokens(healthy.generate(p, GREEDY, 1)[0]) for p in PROMPTS]
+        streams = [faulty.generate(p, GREEDY, 1)[0] for p in PROMPTS]
+        bad_prefill = faulty.generate([7, POISON, 9], GREEDY, 1)[0]
+        bad_decode = faulty.generate(list(range(300, 350)), GREEDY, 1)[0]  # reaches position 57
+        results = await asyncio.gather(*map(tokens, [*streams, bad_prefill, bad_decode]), return_exceptions=True)
+        assert results[:2] == alone  # the healthy requests in the same batches finish as if alone
+        assert isinstance(results[2], EngineError) and "prefill" in str(results[2])
+        assert isinstance(results[3], EngineError) and "decode" in str(results[3])
+        assert await tokens(faulty.generate(PROMPTS[0], GREEDY, 1)[0]) == alone[0]  # and the engine goes on
+    finally:
+        await healthy.close()
+        await faulty.close()
+
+
+async def test_a_vanishing_temperature_samples_greedily(served):
+    """temperature 1e-40 used to make 1/T overflow and fail every sequence of the batch."""
+    client = served.openai_client()
+    messages = [{"role": "user", "content": "What is the weather in paris?"}]
+    others = [
+        client.chat.completions.create(model=served.name, messages=messages, max_tokens=12, seed=s)
+        for s in range(4)
+    ]
+    tiny = client.chat.completions.create(model=served.name, messages=messages, max_tokens=12, temperature=1e-40)
+    greedy = await client.chat.completions.create(model=served.name, messages=messages, max_tokens=12, temperature=0)
+    results = await asyncio.gather(tiny, *others)
+    assert results[0].choices[0].token_ids == greedy.choices[0].token_ids
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+
+
+async def test_a_request_failure_is_a_500_for_that_request_only(served):
+    client = served.openai_client()
+    with pytest.raises(openai.BadRequestError):  # a client mistake stays a 4xx
+        await client.chat.completions.create(model=served.name, messages=[], max_tokens=4)
