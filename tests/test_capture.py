@@ -163,17 +163,17 @@ async def test_errors_are_clear(served):
             await http.post(f"{cap.base_url}/chat/completions", json=body),  # closed: unknown now
             await http.post(f"{base}/chat/completions", json=body, headers={"X-Artrl-Capture": "nope"}),
             await http.get(f"{base.removesuffix('/v1')}/capture/nope/v1/models"),
-            await http.delete(f"{base}/captures/{cap.id}"),  # closing twice
+            await http.delete(f"{base}/captures/nope"),
         ):
             assert response.status_code == 404
             error = response.json()["error"]
             assert error["code"] == "capture_not_found" and "is not open on this gateway" in error["message"]
+        # closing again (a client whose first reply was lost) gets the same records, for a grace period
+        again = await http.delete(f"{base}/captures/{cap.id}")
+        assert again.status_code == 200 and again.json()["records"] == []
     with pytest.raises(ValueError, match="boom"):  # the block's error wins, the capture is still closed
         async with artrl.capture(served) as cap:
             raise ValueError("boom")
-    with pytest.raises(artrl.CaptureError, match="not open"):
-        async with artrl.capture(served) as cap, httpx.AsyncClient() as http:
-            await http.delete(f"{base}/captures/{cap.id}")  # closed behind the block's back
 
 
 async def test_calls_outside_the_block_are_not_recorded(served):

@@ -119,11 +119,43 @@ def test_capture_store_limits_and_unknown_ids():
         store.check(a)
     assert exc.value.status == 413  # permanent: not a 429 that clients retry
     assert store.close(a) == [{"n": 1}]
+    assert store.close(a) == [{"n": 1}]  # again (a lost reply): the same records, for a grace period
     with pytest.raises(RequestError, match="not open on this gateway") as exc:
-        store.close(a)
+        store.check(a)  # but it records nothing more
     assert exc.value.status == 404
     store.add(a, {"n": 2})  # a call finishing after its capture closed is dropped
+    assert store.close(a) == [{"n": 1}]
     assert store.close(b) == [] and len(store) == 0
+    with pytest.raises(RequestError, match="not open on this gateway") as exc:
+        store.close("cap-unknown")
+    assert exc.value.status == 404
+
+
+def test_captures_are_bounded_in_bytes():
+    """A capture holds at most max_bytes of records (as JSON), all of them max_total_bytes: a request beyond
+    is refused before it generates (before, only the record count was bounded)."""
+    store = CaptureStore(max_bytes=2000, max_total_bytes=3000)
+    a, b = store.open(), store.open()
+    store.add(a, {"messages": "x" * 1900})
+    store.check(a)
+    store.add(a, {"messages": "x" * 100})
+    with pytest.raises(RequestError, match="bytes of records") as exc:
+        store.check(a)
+    assert exc.value.status == 413 and store.total_bytes > 2000
+    store.add(b, {"messages": "y" * 990})
+    with pytest.raises(RequestError, match="open captures hold"):
+        store.check(b)
+
+
+def test_closed_captures_expire_after_their_grace():
+    store = CaptureStore(closed_grace_s=0.0)
+    a = store.open()
+    store.add(a, {"n": 1})
+    store.close(a)
+    store.open()  # expires what is due
+    assert store.total_bytes == 0
+    with pytest.raises(RequestError):
+        store.close(a)
 
 
 def test_idle_captures_expire_to_make_room():

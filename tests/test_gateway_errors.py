@@ -495,3 +495,33 @@ def test_server_errors_have_the_server_error_type():
     from artrl.local.gateway.protocol import RequestError
 
     assert RequestError("boom", status=500).body()["error"]["type"] == "server_error"
+
+
+async def test_an_oversized_body_is_refused_before_it_is_read(served):
+    """A declared 1 TB body is refused at once, without waiting for (or holding) any of it; a chunked body
+    is refused as soon as it passes the limit (before: the whole body was read into memory first)."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    url = urlsplit(served.inference_base_url)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000000000\r\n\r\n{"
+    )
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=10)
+    writer.close()
+    assert b" 413 " in status_line
+
+    async def chunks():
+        for _ in range(20):
+            yield b" " * (1 << 20)
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(
+            f"{served.inference_base_url}/chat/completions",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+        )
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"

@@ -148,6 +148,10 @@ class GatewayConfig(_Frozen):
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_open_captures: int = Field(default=4096, ge=1, description="`artrl.capture` blocks open at once")
     max_capture_records: int = Field(default=10_000, ge=1, description="calls recorded by one capture")
+    max_capture_bytes: int = Field(
+        default=256 << 20, ge=1024, description="bytes (as JSON) one capture holds"
+    )
+    max_captured_bytes: int = Field(default=2 << 30, ge=1024, description="bytes all open captures hold")
 
     @model_validator(mode="after")
     def _key_beyond_loopback(self) -> GatewayConfig:

@@ -117,7 +117,12 @@ class LocalService:
             serving,
             api_key=gateway_config.api_key,
             max_request_bytes=gateway_config.max_request_bytes,
-            captures=CaptureStore(gateway_config.max_open_captures, gateway_config.max_capture_records),
+            captures=CaptureStore(
+                gateway_config.max_open_captures,
+                gateway_config.max_capture_records,
+                max_bytes=gateway_config.max_capture_bytes,
+                max_total_bytes=gateway_config.max_captured_bytes,
+            ),
         )
         server = GatewayServer(app, gateway_config.host, gateway_config.port, gateway_config.keep_alive_s)
         server.start(gateway_config.startup_timeout_s)

@@ -107,13 +107,7 @@ def create_app(
         return await models()
 
     async def chat(request: Request, capture_id: str | None):
-        raw = await request.body()
-        if len(raw) > max_request_bytes:
-            raise RequestError(
-                f"request body of {len(raw)} bytes exceeds {max_request_bytes}",
-                status=413,
-                code="request_too_large",
-            )
+        raw = await _bounded_body(request, max_request_bytes)
         if capture_id is not None:
             store.check(capture_id)
         prepared = serving.prepare(parse_request(raw))
@@ -151,6 +145,27 @@ def create_app(
     return app
 
 
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed `limit` bytes: from its declared
+    length before reading any of it, or while it streams in, never after holding all of it."""
+
+    def too_large(size: str) -> RequestError:
+        return RequestError(
+            f"request body of {size} bytes exceeds {limit}", status=413, code="request_too_large"
+        )
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _complete(serving: ChatServing, prepared: PreparedRequest) -> dict[str, Any]:
     """Non-streaming = the fold of the streaming events."""
     results: list[ChoiceResult] = []
@@ -182,9 +197,8 @@ def _choice(serving: ChatServing, prepared: PreparedRequest, result: ChoiceResul
 
 
 def _record(prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    request = prepared.request
-    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-    return {"id": prepared.id, "messages": request.messages, "tools": tools, "choices": choices}
+    """What a capture keeps of a call: the checked messages (only the keys the gateway reads), tools, choices."""
+    return {"id": prepared.id, "messages": prepared.messages, "tools": prepared.tools, "choices": choices}
 
 
 def _usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, int]:

@@ -8,6 +8,7 @@ completion order. All access happens on the gateway's event loop; a lock keeps t
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -23,27 +24,44 @@ CAPTURE_HEADER = "x-artrl-capture"
 class _Capture:
     records: list[dict[str, Any]] = field(default_factory=list)
     touched: float = field(default_factory=time.monotonic)
+    size: int = 0  # bytes of its records as JSON
+    closed: bool = False
 
 
 class CaptureStore:
     """Open captures by id. At most `max_open` at once (captures idle for `idle_expiry_s` are dropped to make
-    room; checked whenever a capture opens); at most `max_records` records each (requests beyond are refused
-    with a 413 before generating)."""
+    room; checked whenever a capture opens); at most `max_records` records and `max_bytes` bytes (as JSON)
+    each, `max_total_bytes` in all (a request beyond is refused with a 413 before generating). A closed
+    capture's records stay `closed_grace_s` seconds for a client whose close reply was lost to ask again."""
 
     def __init__(
-        self, max_open: int = 4096, max_records: int = 10_000, idle_expiry_s: float = 3600.0
+        self,
+        max_open: int = 4096,
+        max_records: int = 10_000,
+        idle_expiry_s: float = 3600.0,
+        max_bytes: int = 256 << 20,
+        max_total_bytes: int = 2 << 30,
+        closed_grace_s: float = 120.0,
     ) -> None:
         self.max_open, self.max_records, self.idle_expiry_s = max_open, max_records, idle_expiry_s
+        self.max_bytes, self.max_total_bytes, self.closed_grace_s = max_bytes, max_total_bytes, closed_grace_s
         self._captures: dict[str, _Capture] = {}
+        self._total = 0
         self._lock = threading.Lock()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key, capture in list(self._captures.items()):
+            limit = self.closed_grace_s if capture.closed else self.idle_expiry_s
+            if now - capture.touched > limit:
+                self._total -= capture.size
+                del self._captures[key]
 
     def open(self) -> str:
         with self._lock:
             # captures a client never closed (a crashed process, a base_url user) expire after idling
-            now = time.monotonic()
-            for key in [k for k, c in self._captures.items() if now - c.touched > self.idle_expiry_s]:
-                del self._captures[key]
-            if len(self._captures) >= self.max_open:
+            self._expire()
+            if sum(not c.closed for c in self._captures.values()) >= self.max_open:
                 raise RequestError(
                     f"{self.max_open} captures are open: close some (leave their `artrl.capture` blocks) first",
                     code="too_many_captures",
@@ -55,7 +73,7 @@ class CaptureStore:
 
     def _get(self, capture_id: str) -> _Capture:
         found = self._captures.get(capture_id)
-        if found is None:
+        if found is None or found.closed:
             raise RequestError(
                 f"capture {capture_id!r} is not open on this gateway (never opened, already closed, or "
                 "expired); open one with POST /v1/captures",
@@ -70,9 +88,16 @@ class CaptureStore:
         with self._lock:
             capture = self._get(capture_id)
             capture.touched = time.monotonic()
+            full = None
             if len(capture.records) >= self.max_records:
+                full = f"already holds {self.max_records} records, its limit"
+            elif capture.size >= self.max_bytes:
+                full = f"already holds {capture.size} bytes of records, its limit is {self.max_bytes}"
+            elif self._total >= self.max_total_bytes:
+                full = f"cannot grow: open captures hold {self._total} bytes, the gateway's limit"
+            if full is not None:
                 raise RequestError(
-                    f"capture {capture_id!r} already holds {self.max_records} records, its limit",
+                    f"capture {capture_id!r} {full}; close it (leave the `artrl.capture` block) and open another",
                     param="capture",
                     code="capture_full",
                     status=413,  # permanent: clients must not retry it as they retry a 429
@@ -80,17 +105,30 @@ class CaptureStore:
 
     def add(self, capture_id: str, record: dict[str, Any]) -> None:
         """Append a finished call's record; a capture closed while the call ran does not get it."""
+        size = len(json.dumps(record, ensure_ascii=False))
         with self._lock:
             capture = self._captures.get(capture_id)
-            if capture is not None:
+            if capture is not None and not capture.closed:
                 capture.records.append(record)
+                capture.size += size
+                self._total += size
                 capture.touched = time.monotonic()
 
     def close(self, capture_id: str) -> list[dict[str, Any]]:
+        """The capture's records. It stops recording at once; its records stay `closed_grace_s` seconds, so
+        a client whose reply was lost (a dropped connection) gets them again by closing it again."""
         with self._lock:
-            records = self._get(capture_id).records
-            del self._captures[capture_id]
-            return records
+            capture = self._captures.get(capture_id)
+            if capture is None:
+                self._get(capture_id)  # raises the 404
+            assert capture is not None
+            capture.closed = True
+            capture.touched = time.monotonic()
+            return capture.records
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
 
     def __len__(self) -> int:
-        return len(self._captures)
+        return sum(not c.closed for c in self._captures.values())
