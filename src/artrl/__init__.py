@@ -5,7 +5,7 @@
 """
 
 from artrl import rewards
-from artrl.backend import LocalBackend
+from artrl.backend import CheckpointError, LocalBackend
 from artrl.capturing import Capture, CaptureError, capture
 from artrl.config import (
     ClientConfig,
@@ -29,6 +29,7 @@ from artrl.trajectory import History, Trajectory, TrajectoryGroup
 __all__ = [
     "Capture",
     "CaptureError",
+    "CheckpointError",
     "ClientConfig",
     "DatasetBatch",
     "EngineConfig",

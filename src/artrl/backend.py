@@ -29,6 +29,14 @@ if TYPE_CHECKING:
     from artrl.local.service import LocalService
 
 
+class CheckpointError(RuntimeError):
+    """A training step's checkpoint could not be written (the disk is full, say). The step is not lost: its
+    weights stay in memory and the next `train`/`train_sft` call writes that checkpoint first."""
+
+
+RESERVED_SPLITS = ("train", "sft")  # written by model.train / model.train_sft, never by model.log
+
+
 class LocalBackend:
     """Runs the trainer and the OpenAI-compatible gateway in this process, and the engine behind it.
 
@@ -64,6 +72,8 @@ class LocalBackend:
         self.gateway_config = gateway or GatewayConfig()
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # a step whose checkpoint failed to write: (step, history row), written before any further step
+        self._unsaved: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -140,6 +150,7 @@ class LocalBackend:
         assert service.trainer is not None
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
+            await self._write_unsaved(model, service, directory)
             batch = build_batch(
                 groups,
                 service.chat_format,
@@ -159,7 +170,7 @@ class LocalBackend:
             else:
                 metrics["optimizer_steps"] = 0
             metrics["step_seconds"] = time.time() - started
-            await self._complete_step(service, directory, step, "train", metrics)
+            await self._complete_step(model, service, directory, step, "train", metrics)
         return TrainResult(step=step, metrics=metrics)
 
     async def train_sft(
@@ -173,6 +184,7 @@ class LocalBackend:
             raise ValueError("train_sft() got no trajectories")
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
+            await self._write_unsaved(model, service, directory)
             per_trajectory = [
                 trajectory_rows(t, i, service.chat_format, True, config.chat_template_kwargs)
                 for i, t in enumerate(trajectories)
@@ -193,20 +205,56 @@ class LocalBackend:
             metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
             async with service.training():
                 metrics.update(await service.run_exclusive(lambda: service.trainer.sft(steps, config)))
-            await self._complete_step(service, directory, step, "sft", metrics)
+            await self._complete_step(model, service, directory, step, "sft", metrics)
         return TrainResult(step=step, metrics=metrics)
 
     async def _complete_step(
-        self, service: LocalService, directory, step: int, split: str, metrics: dict[str, Any]
+        self,
+        model: TrainableModel,
+        service: LocalService,
+        directory,
+        step: int,
+        split: str,
+        metrics: dict[str, Any],
     ) -> None:
         row = {"step": step, "split": split, "time": time.time(), **metrics}
-        await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
+        try:
+            await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
+        except Exception as exc:  # ENOSPC, or torch/safetensors' own errors for a failed write
+            self._unsaved[(model.project, model.name)] = (step, row)
+            raise CheckpointError(
+                f"step {step}'s checkpoint could not be written to {checkpoint_dir(directory, step)}: {exc}. "
+                f"The step is not lost: its weights are in memory and the next train or train_sft call writes "
+                f"checkpoint {step} first (free some space before it)."
+            ) from exc
+        await self._publish_step(service, directory, step, row, metrics)
+
+    async def _publish_step(
+        self, service: LocalService, directory, step: int, row: dict[str, Any], metrics: dict[str, Any]
+    ) -> None:
         try:  # the engine serves the new weights from the next request on (vLLM: the adapter hot-load)
             started = time.time()
             await service.weights_updated(step, checkpoint_dir(directory, step))
             row["weight_sync_seconds"] = metrics["weight_sync_seconds"] = time.time() - started
         finally:
             append_history(directory, row)  # the step is saved whether or not the engine took it
+
+    async def _write_unsaved(self, model: TrainableModel, service: LocalService, directory) -> None:
+        """Write the checkpoint of a step whose save failed, before anything else trains (CheckpointError
+        again, and no training, while it still cannot be written)."""
+        key = (model.project, model.name)
+        if key not in self._unsaved:
+            return
+        step, row = self._unsaved[key]
+        try:
+            await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
+        except Exception as exc:
+            raise CheckpointError(
+                f"step {step}'s checkpoint still cannot be written: {exc}; nothing was trained. Free some space "
+                "and call again."
+            ) from exc
+        del self._unsaved[key]
+        await self._publish_step(service, directory, step, row, {})
 
     @staticmethod
     def _save_checkpoint(service: LocalService, directory, step: int, history_row: dict[str, Any]) -> None:
@@ -216,9 +264,13 @@ class LocalBackend:
         tmp = final.parent / f".tmp-{step:04d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        service.trainer.save(str(tmp))
-        atomic_write_json(tmp / "history_row.json", history_row)
-        publish_directory(tmp, final)
+        try:
+            service.trainer.save(str(tmp))
+            atomic_write_json(tmp / "history_row.json", history_row)
+            publish_directory(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint must not take the space
+            raise
 
     async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:
         """Write the current weights as a Hugging Face folder with the tokenizer: a full model after full
@@ -233,6 +285,11 @@ class LocalBackend:
         await service.run_exclusive(write)
 
     async def log(self, model: TrainableModel, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
+        if split in RESERVED_SPLITS:
+            raise ValueError(
+                f"split {split!r} holds what model.train/train_sft trained on (logging under it would overwrite "
+                "that step's trajectories); log evaluations under another name, such as 'val'"
+            )
         directory = self.directory(model)
         step = latest_step(directory)
         rewards = [t.reward for g in groups for t in g.trajectories]

@@ -19,6 +19,15 @@ def model_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:
     return Path(root) / project / name
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's contents (a directory: the names in it) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -31,6 +40,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_path(path.parent)  # the rename itself survives a power loss
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -84,12 +94,19 @@ def read_history(directory: Path) -> list[dict[str, Any]]:
 
 
 def publish_directory(tmp: Path, final: Path) -> None:
-    """Make a fully written temporary directory visible under its final name in one rename."""
+    """Make a fully written temporary directory visible under its final name in one rename; its files, the
+    directory and the rename are on disk before this returns (a crash or power loss at any instant leaves
+    either the old state or the whole new directory)."""
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            fsync_path(file)
+    fsync_path(tmp)
     if final.exists():
         import shutil
 
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_path(final.parent)
 
 
 def repair_history(directory: Path) -> int:

@@ -7,7 +7,7 @@ generation pauses between two token steps, and the next token is sampled from th
 
 from __future__ import annotations
 
-import contextlib
+import pickle
 import time
 from typing import Any
 
@@ -241,5 +241,12 @@ class Trainer:
                     f"checkpoint {directory} does not fit this adapter: {result.unexpected_keys}"
                 )
         optimizer_file = f"{directory}/optimizer.pt"
-        with contextlib.suppress(FileNotFoundError):
-            self.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device))
+        try:  # weights_only: a checkpoint is data, never code (a pickle could run anything)
+            state = torch.load(optimizer_file, map_location=self.device, weights_only=True)
+        except FileNotFoundError:
+            return
+        except pickle.UnpicklingError as exc:
+            raise ValueError(
+                f"{optimizer_file} is not a plain optimizer state (refused to unpickle it): {exc}"
+            ) from None
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,119 @@
+"""Durability: a checkpoint that cannot be written (disk full) loses no step; checkpoints reach the disk
+before they are published; a checkpoint is data, never code; model.log cannot overwrite a training step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import artrl
+from artrl.storage import latest_step, publish_directory, read_history
+
+
+def group(model_name: str) -> artrl.TrajectoryGroup:
+    from openai.types.chat.chat_completion import Choice
+
+    def traj(reward: float, token: int) -> artrl.Trajectory:
+        choice = Choice.model_validate(
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "x"},
+                "prompt_token_ids": [1, 2, 3, 4],
+                "token_ids": [token, 5],
+                "token_logprobs": [-1.0, -1.0],
+            }
+        )
+        return artrl.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=reward)
+
+    return artrl.TrajectoryGroup([traj(0.0, 7), traj(1.0, 8)])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs: a disk that can really fill up."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+async def test_a_full_disk_during_a_checkpoint_loses_no_step(tiny_model_dir, small_disk):
+    filler = small_disk / "filler"
+    async with artrl.LocalBackend(path=small_disk / "artrl") as backend:
+        model = artrl.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora=None)
+        await model.register(backend)
+        directory = small_disk / "artrl" / "p" / "m"
+        config = artrl.TrainConfig(learning_rate=1e-3)
+        assert (await model.train([group(model.name)], config)).step == 1
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        filler.write_bytes(b"\0" * (free - (256 << 10)))  # room for trajectories, not for a checkpoint
+        with pytest.raises(artrl.CheckpointError, match="step 2's checkpoint could not be written") as exc:
+            await model.train([group(model.name)], config)
+        assert "No space left on device" in str(exc.value)
+        assert latest_step(directory) == 1 and [r["step"] for r in read_history(directory)] == [1]
+        assert not [p for p in (directory / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+        with pytest.raises(artrl.CheckpointError, match="still cannot be written"):
+            await model.train([group(model.name)], config)  # still full: nothing trains
+        filler.unlink()
+        result = await model.train([group(model.name)], config)  # writes step 2 first, then trains step 3
+        assert result.step == 3
+        assert latest_step(directory) == 3 and [r["step"] for r in read_history(directory)] == [1, 2, 3]
+        assert (directory / "checkpoints" / "0002" / "model.safetensors").exists()
+
+
+def test_a_published_checkpoint_is_on_disk_first(tmp_path, monkeypatch):
+    """Every file, the directory and the rename are fsynced (before: only the history line was)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    tmp, final = tmp_path / ".tmp-0001", tmp_path / "0001"
+    tmp.mkdir()
+    (tmp / "weights.bin").write_bytes(b"w")
+    (tmp / "optimizer.pt").write_bytes(b"o")
+    publish_directory(tmp, final)
+    assert {str(tmp / "weights.bin"), str(tmp / "optimizer.pt"), str(tmp), str(tmp_path)} <= set(synced)
+
+
+def test_an_optimizer_state_is_loaded_as_data_only(tiny_model_dir, tmp_path):
+    """optimizer.pt is loaded with weights_only: a pickle that would run code is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from artrl.config import LoraConfig
+    from artrl.local.trainer import Trainer, attach_adapter
+
+    trainer = Trainer(attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig()), 0)
+    trainer.save(str(tmp_path))
+    trainer.load(str(tmp_path))  # a real checkpoint loads
+    marker = tmp_path / "code-ran"
+    torch.save(_Evil(str(marker)), tmp_path / "optimizer.pt")
+    with pytest.raises(ValueError, match="not a plain optimizer state"):
+        trainer.load(str(tmp_path))
+    assert not marker.exists()
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+async def test_log_cannot_overwrite_a_training_steps_trajectories(fresh_model):
+    for split in ("train", "sft"):
+        with pytest.raises(ValueError, match="log evaluations under another name"):
+            await fresh_model.log([group(fresh_model.name)], split=split)
+    assert (await fresh_model.log([group(fresh_model.name)], split="val"))["trajectories"] == 2
