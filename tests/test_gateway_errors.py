@@ -525,3 +525,24 @@ async def test_an_oversized_body_is_refused_before_it_is_read(served):
             headers={"content-type": "application/json"},
         )
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+async def test_a_huge_prompt_does_not_stall_the_gateway(served):
+    """Rendering and tokenising a 2 MB prompt (about a second here) happens off the event loop: /health and
+    other clients keep their latency meanwhile (before, every request waited for that prompt)."""
+    import asyncio
+    import time
+
+    huge = {"model": served.name, "messages": [{"role": "user", "content": "apple pear " * 200_000}]}
+    base = served.inference_base_url
+    async with httpx.AsyncClient(timeout=60) as client:
+        task = asyncio.create_task(client.post(f"{base}/chat/completions", json=huge))
+        await asyncio.sleep(0.05)
+        latencies = []
+        while not task.done():
+            started = time.perf_counter()
+            assert (await client.get(base.removesuffix("/v1") + "/health")).status_code == 200
+            latencies.append(time.perf_counter() - started)
+            await asyncio.sleep(0.02)
+        assert (await task).status_code == 400  # longer than the context: refused, after preparing it
+    assert len(latencies) >= 5 and max(latencies) < 0.25, latencies

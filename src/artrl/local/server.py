@@ -15,6 +15,7 @@ import uvicorn
 
 class GatewayServer:
     def __init__(self, app, host: str, port: int, keep_alive_s: float = 75.0) -> None:
+        self._app = app
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
@@ -54,3 +55,6 @@ class GatewayServer:
         self._server.should_exit = True
         self._thread.join(timeout_s)
         self._socket.close()
+        preparing = getattr(self._app.state, "preparing", None)  # the gateway's prompt-building thread
+        if preparing is not None:
+            preparing.shutdown(wait=False, cancel_futures=True)

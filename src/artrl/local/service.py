@@ -109,7 +109,7 @@ class LocalService:
         fmt = ChatFormat.for_tokenizer(
             tokenizer, chat_format, extra_stop_ids=end_of_turn_ids(model, tokenizer)
         )
-        builder = PromptBuilder(fmt, CompletionStore(gateway_config.completion_store_size))
+        builder = PromptBuilder(fmt.clone(), CompletionStore(gateway_config.completion_store_size))
         serving = ChatServing(
             engine, fmt, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n
         )

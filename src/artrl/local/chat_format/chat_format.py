@@ -131,6 +131,15 @@ class ChatFormat:
         stops.update(extra_stop_ids)
         return cls(tokenizer, family, how, frozenset(stops), template_variables(template))
 
+    def clone(self) -> ChatFormat:
+        """The same format over its own copy of the tokenizer, for use on another thread (a fast tokenizer
+        must not encode on one thread while it decodes on another)."""
+        import copy
+
+        return ChatFormat(
+            copy.deepcopy(self.tokenizer), self.family, self.detected_by, self.stop_ids, self.variables
+        )
+
     # ------------------------------------------------------------------ control tokens
     @cached_property
     def control_tokens(self) -> tuple[str, ...]:

@@ -6,10 +6,12 @@ the server keeps answering either way.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,6 +40,9 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="artrl gateway", docs_url=None, redoc_url=None)
     store = captures if captures is not None else CaptureStore()
+    # rendering and tokenising a prompt (seconds for a huge one) happen here, one request at a time, never
+    # on the event loop that answers every other client
+    preparing = app.state.preparing = ThreadPoolExecutor(1, thread_name_prefix="artrl-prepare")
 
     @app.middleware("http")
     async def json_only(request: Request, call_next):
@@ -110,7 +115,8 @@ def create_app(
         raw = await _bounded_body(request, max_request_bytes)
         if capture_id is not None:
             store.check(capture_id)
-        prepared = serving.prepare(parse_request(raw))
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(preparing, lambda: serving.prepare(parse_request(raw)))
 
         def record(choices: list[dict[str, Any]]) -> None:
             if capture_id is not None:

@@ -15,6 +15,7 @@ which happened. The gateway passes back the reasoning of its own completions whe
 from __future__ import annotations
 
 import json
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -53,10 +54,15 @@ class CompletionStore:
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._items: OrderedDict[str, StoredCompletion] = OrderedDict()
+        self._lock = threading.Lock()  # prompts are built on the gateway's preparation thread
 
     def put(self, key: str, completion: StoredCompletion) -> None:
         if self._capacity == 0:
             return
+        with self._lock:
+            self._put(key, completion)
+
+    def _put(self, key: str, completion: StoredCompletion) -> None:
         known = self._items.get(key)
         if known is not None and (known.prompt_ids, known.token_ids) != (
             completion.prompt_ids,
@@ -69,9 +75,10 @@ class CompletionStore:
             self._items.popitem(last=False)
 
     def get(self, key: str) -> StoredCompletion | None:
-        found = self._items.get(key)
-        if found is not None:
-            self._items.move_to_end(key)
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
         return None if found is _AMBIGUOUS else found
 
     def __len__(self) -> int:

@@ -75,6 +75,9 @@ class ChatServing:
 
     # ------------------------------------------------------------------ request → prepared
     def prepare(self, request: ChatRequest) -> PreparedRequest:
+        """Check the request and build its prompt: rendering and tokenising, the costly part of a request
+        before generation. The gateway runs it on its preparation thread (with the builder's own copy of the
+        tokenizer), so the event loop keeps serving every other client meanwhile."""
         if request.model not in self.model_names:
             raise RequestError(
                 f"model {request.model!r} is not served here; available: {self.model_names}",
@@ -90,7 +93,7 @@ class ChatServing:
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         kwargs = dict(request.chat_template_kwargs or {})
         try:
-            self.format.check_kwargs(kwargs)
+            self.builder.format.check_kwargs(kwargs)
         except ValueError as exc:
             raise RequestError(str(exc), param="chat_template_kwargs", code="unsupported_parameter") from None
         tool_names = {t["function"]["name"] for t in tools or []}
@@ -144,7 +147,7 @@ class ChatServing:
         if choice != "required" and not isinstance(choice, NamedToolChoice):
             return ""
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        forced = self.format.tool_call_prefix(messages, tools, kwargs, name)
+        forced = self.builder.format.tool_call_prefix(messages, tools, kwargs, name)
         if forced is None:
             raise RequestError(
                 f"tool_choice={'required' if name is None else 'a named function'} is not supported for this "
