@@ -41,3 +41,38 @@ class ScriptedEngine:
 
     async def close(self) -> None:
         return None
+
+
+@dataclass
+class SlowEngine:
+    """Streams token `token` every `interval` seconds until max_tokens or until the consumer aborts; records
+    each stream so tests can see whether (and when) the gateway stopped generating."""
+
+    token: int = 5
+    interval: float = 0.05
+    max_context: int = 2048
+    streams: list[SequenceStream] = field(default_factory=list)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
+        loop = asyncio.get_running_loop()
+        out = []
+        for _ in range(n):
+            stream = SequenceStream(loop)
+            self.streams.append(stream)
+            self.tasks.append(asyncio.create_task(self._drip(stream, params.max_tokens)))
+            out.append(stream)
+        return out
+
+    async def _drip(self, stream: SequenceStream, max_tokens: int) -> None:
+        for _ in range(max_tokens):
+            if stream.aborted:
+                stream.end("abort")
+                return
+            stream.push(TokenChoice(self.token, -0.5))
+            await asyncio.sleep(self.interval)
+        stream.end("length")
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()

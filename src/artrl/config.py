@@ -110,6 +110,9 @@ class EngineConfig(_Frozen):
     kind: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     max_batch_size: int = Field(default=64, ge=1, description="sequences decoded together at most")
+    max_prefill_tokens: int = Field(
+        default=16384, ge=1, description="padded prompt tokens one batched prefill holds at most (memory)"
+    )
     max_context: int | None = Field(
         default=None, description="prompt + completion tokens; None = the model's max_position_embeddings"
     )
@@ -146,6 +149,11 @@ class GatewayConfig(_Frozen):
         "expiry (httpx: 5 s) or a request sent as the server closes the connection is lost",
     )
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_inflight_requests: int = Field(
+        default=1024,
+        ge=1,
+        description="chat requests being prepared or generated at once; beyond, a 429 (clients retry later)",
+    )
     max_open_captures: int = Field(default=4096, ge=1, description="`artrl.capture` blocks open at once")
     max_capture_records: int = Field(default=10_000, ge=1, description="calls recorded by one capture")
     max_capture_bytes: int = Field(

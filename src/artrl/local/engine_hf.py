@@ -86,10 +86,13 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 class HFEngine:
     """Continuous-batching generation over a transformers causal LM (optionally wrapped by PEFT)."""
 
-    def __init__(self, model, *, max_context: int, max_batch_size: int = 64) -> None:
+    def __init__(
+        self, model, *, max_context: int, max_batch_size: int = 64, max_prefill_tokens: int = 16384
+    ) -> None:
         self.model = model
         self._max_context = max_context
         self._max_batch_size = max_batch_size
+        self._max_prefill_tokens = max_prefill_tokens  # padded prompt tokens one prefill may hold
         self._incoming: queue.SimpleQueue[_Request | _Job | None] = queue.SimpleQueue()
         self._pending: list[_Request] = []
         self._jobs: list[_Job] = []
@@ -189,15 +192,23 @@ class HFEngine:
         self._batch = _Batch()
 
     def _admit(self) -> None:
+        """Prefill waiting requests into the batch: as many as fit in its free rows and in the prefill token
+        budget (prompts are left-padded to the longest), always at least one when a row is free."""
         room = self._max_batch_size - len(self._batch.sequences)
         admitted: list[_Request] = []
+        longest = 0
         while self._pending and (room >= len(self._pending[0].sequences) or (not admitted and room > 0)):
-            request = self._pending.pop(0)
+            request = self._pending[0]
+            padded = max(longest, len(request.prompt_ids)) * (len(admitted) + 1)
+            if admitted and padded > self._max_prefill_tokens:
+                break
+            self._pending.pop(0)
             if all(s.stream.aborted for s in request.sequences):
                 for s in request.sequences:
                     s.finish("abort")
                 continue
             admitted.append(request)
+            longest = max(longest, len(request.prompt_ids))
             room -= len(request.sequences)
         if admitted:
             self._prefill_isolated(admitted)

@@ -79,7 +79,12 @@ class LocalService:
             launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
             engine: Engine = launch.engine(resume_from)
         else:
-            engine = HFEngine(model, max_context=max_context, max_batch_size=engine_config.max_batch_size)
+            engine = HFEngine(
+                model,
+                max_context=max_context,
+                max_batch_size=engine_config.max_batch_size,
+                max_prefill_tokens=engine_config.max_prefill_tokens,
+            )
         try:
             service = cls.serve(
                 served_name, model, tokenizer, engine, engine_config, gateway_config, chat_format
@@ -117,6 +122,7 @@ class LocalService:
             serving,
             api_key=gateway_config.api_key,
             max_request_bytes=gateway_config.max_request_bytes,
+            max_inflight=gateway_config.max_inflight_requests,
             captures=CaptureStore(
                 gateway_config.max_open_captures,
                 gateway_config.max_capture_records,

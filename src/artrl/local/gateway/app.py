@@ -7,6 +7,7 @@ the server keeps answering either way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -16,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artrl.local.engine import EngineError
@@ -37,6 +38,7 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = 8 << 20,
     captures: CaptureStore | None = None,
+    max_inflight: int = 1024,
 ) -> FastAPI:
     app = FastAPI(title="artrl gateway", docs_url=None, redoc_url=None)
     store = captures if captures is not None else CaptureStore()
@@ -44,36 +46,7 @@ def create_app(
     # on the event loop that answers every other client
     preparing = app.state.preparing = ThreadPoolExecutor(1, thread_name_prefix="artrl-prepare")
 
-    @app.middleware("http")
-    async def json_only(request: Request, call_next):
-        """A body must be JSON (and say so): a web page's form or text/plain POST — which browsers send
-        cross-site without asking — never reaches the gateway."""
-        if request.method in ("POST", "PUT", "PATCH"):
-            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            has_body = (
-                request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
-            )
-            if (
-                kind or has_body or request.url.path.endswith("/chat/completions")
-            ) and kind != "application/json":
-                return _error(
-                    415,
-                    f"Content-Type must be application/json (got {kind or 'none'})",
-                    "unsupported_media_type",
-                )
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        guarded = api_key is not None and request.url.path.startswith(("/v1/", "/capture/"))
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if guarded and (
-            scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), api_key.encode())
-        ):
-            return _error(
-                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
-            )
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -111,12 +84,31 @@ def create_app(
         store.check(capture_id)
         return await models()
 
+    preparing_now = 0  # requests being read and prepared; the serving layer counts those generating
+
     async def chat(request: Request, capture_id: str | None):
-        raw = await _bounded_body(request, max_request_bytes)
-        if capture_id is not None:
-            store.check(capture_id)
-        loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(preparing, lambda: serving.prepare(parse_request(raw)))
+        nonlocal preparing_now
+        busy = preparing_now + serving.generating
+        if busy >= max_inflight:
+            raise RequestError(
+                f"the gateway is busy: {busy} requests in flight (GatewayConfig.max_inflight_requests); "
+                "retry shortly",
+                code="too_many_requests",
+                status=429,
+            )
+        return await _chat(request, capture_id)
+
+    async def _chat(request: Request, capture_id: str | None):
+        nonlocal preparing_now
+        preparing_now += 1
+        try:
+            raw = await _bounded_body(request, max_request_bytes)
+            if capture_id is not None:
+                store.check(capture_id)
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(preparing, lambda: serving.prepare(parse_request(raw)))
+        finally:
+            preparing_now -= 1
 
         def record(choices: list[dict[str, Any]]) -> None:
             if capture_id is not None:
@@ -124,10 +116,19 @@ def create_app(
 
         if prepared.request.stream:
             return StreamingResponse(_sse(serving, prepared, record), media_type="text/event-stream")
+        work = asyncio.ensure_future(_complete(serving, prepared))
         try:
-            body = await _complete(serving, prepared)
+            while not (await asyncio.wait({work}, timeout=0.25))[0]:
+                if await request.is_disconnected():  # the client gave up (and may retry): stop generating
+                    work.cancel()
+                    with contextlib.suppress(BaseException):
+                        await work
+                    return Response(status_code=499)
+            body = work.result()
         except EngineError as exc:
             return _error(500, f"the engine failed: {exc}", "engine_error")
+        finally:
+            work.cancel()
         if capture_id is not None and not await request.is_disconnected():
             record(body["choices"])  # not a call whose client gave up (and may retry): it never saw it
         return JSONResponse(body)
@@ -149,6 +150,45 @@ def create_app(
         return {"id": capture_id, "object": "capture", "records": store.close(capture_id)}
 
     return app
+
+
+class _Guard:
+    """Pure ASGI middleware (a Starlette `BaseHTTPMiddleware` would hide client disconnects from the routes):
+
+    - the API key, when one is set, on /v1/ and /capture/ routes, checked before the body is read;
+    - a body must be JSON and say so: a web page's form or text/plain POST, which browsers send cross-site
+      without asking first, never reaches the gateway (415)."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> JSONResponse | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+        if self.api_key is not None and path.startswith(("/v1/", "/capture/")):
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                return _error(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+                )
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+            if (kind or has_body or path.endswith("/chat/completions")) and kind != "application/json":
+                return _error(
+                    415,
+                    f"Content-Type must be application/json (got {kind or 'none'})",
+                    "unsupported_media_type",
+                )
+        return None
 
 
 async def _bounded_body(request: Request, limit: int) -> bytes:

@@ -72,6 +72,7 @@ class ChatServing:
         self.tokenizer = chat_format.tokenizer
         self.model_names = model_names
         self.default_max_tokens, self.max_n = default_max_tokens, max_n
+        self.generating = 0  # requests whose generation runs now (read and changed on the event loop only)
 
     # ------------------------------------------------------------------ request → prepared
     def prepare(self, request: ChatRequest) -> PreparedRequest:
@@ -160,6 +161,16 @@ class ChatServing:
 
     # ------------------------------------------------------------------ events
     async def events(self, prepared: PreparedRequest, streaming: bool) -> AsyncIterator[Delta | ChoiceResult]:
+        self.generating += 1
+        try:
+            async for event in self._events(prepared, streaming):
+                yield event
+        finally:
+            self.generating -= 1
+
+    async def _events(
+        self, prepared: PreparedRequest, streaming: bool
+    ) -> AsyncIterator[Delta | ChoiceResult]:
         streams = self.engine.generate(prepared.prompt.ids, prepared.params, prepared.request.n)
         queue: asyncio.Queue[Delta | ChoiceResult | BaseException | None] = asyncio.Queue()
 

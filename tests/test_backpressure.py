@@ -1,0 +1,123 @@
+"""Backpressure: a client that gives up stops its generation; the gateway bounds the requests in flight;
+the embedded engine bounds the tokens of one batched prefill."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from artrl.config import EngineConfig, GatewayConfig
+from artrl.local.engine_hf import HFEngine
+from artrl.local.sampling import SamplingParams
+
+BODY = {"model": "slow", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2000}
+
+
+@pytest.fixture
+def slow(tokenizer):
+    from fakes import SlowEngine
+
+    from artrl.local.service import LocalService
+
+    def serve(**gateway):
+        engine = SlowEngine()
+        service = LocalService.serve(
+            "slow", None, tokenizer, engine, EngineConfig(), GatewayConfig(**gateway)
+        )
+        services.append(service)
+        return engine, service.base_url
+
+    services: list = []
+    yield serve
+    for service in services:
+        service.server.stop()
+
+
+async def test_a_client_that_gives_up_stops_its_generation(slow):
+    """A non-streaming call whose client disconnected kept generating to max_tokens (and the SDK's retries
+    tripled the work); now the gateway notices within a fraction of a second and aborts it."""
+    engine, base_url = slow()
+    async with httpx.AsyncClient(timeout=0.5) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{base_url}/chat/completions", json=BODY)
+    (stream,) = engine.streams
+    for _ in range(40):
+        if stream.aborted:
+            break
+        await asyncio.sleep(0.05)
+    assert stream.aborted  # after ~0.5 s of a 100 s generation
+
+
+async def test_a_stream_whose_client_leaves_stops_too(slow):
+    engine, base_url = slow()
+    url = f"{base_url}/chat/completions"
+    async with (
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream("POST", url, json={**BODY, "stream": True}) as r,
+    ):
+        async for _ in r.aiter_lines():
+            break  # the first chunk, then leave
+    (stream,) = engine.streams
+    for _ in range(40):
+        if stream.aborted:
+            break
+        await asyncio.sleep(0.05)
+    assert stream.aborted
+
+
+async def test_requests_beyond_the_in_flight_limit_get_a_429(slow):
+    engine, base_url = slow(max_inflight_requests=2)
+    async with httpx.AsyncClient(timeout=10) as client:
+        held = [
+            asyncio.create_task(client.post(f"{base_url}/chat/completions", json={**BODY, "max_tokens": 20}))
+            for _ in range(2)
+        ]
+        while len(engine.streams) < 2:
+            await asyncio.sleep(0.01)
+        refused = await client.post(f"{base_url}/chat/completions", json=BODY)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_requests"
+        assert all(r.status_code == 200 for r in await asyncio.gather(*held))
+        assert (
+            await client.post(f"{base_url}/chat/completions", json={**BODY, "max_tokens": 2})
+        ).status_code == 200
+
+
+class CountingModel(torch.nn.Module):
+    """The real tiny model, counting the rows and columns of each prefill (a fake, not a mock)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+        self.prefills: list[tuple[int, int]] = []
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep, cache=None):
+        if input_ids.shape[1] > 1:
+            self.prefills.append(tuple(input_ids.shape))
+        return self.inner(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            cache=cache,
+        )
+
+
+async def test_a_prefill_holds_at_most_its_token_budget(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = CountingModel(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    engine = HFEngine(model, max_context=2048, max_prefill_tokens=250)
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        prompts = [list(range(10, 110))] * 6 + [list(range(10, 400))]  # 6 x 100 tokens, one of 390
+        streams = [engine.generate(p, params, 1)[0] for p in prompts]
+        for stream in streams:
+            assert len([c async for c in stream]) == 2
+    finally:
+        await engine.close()
+    assert all(rows * width <= 250 or rows == 1 for rows, width in model.prefills), model.prefills
+    assert sum(rows for rows, _ in model.prefills) == 7
