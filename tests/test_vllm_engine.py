@@ -181,7 +181,8 @@ async def trainer_logprobs(backend, model, choice) -> list[float]:
 
 
 def served_adapters(engine: VLLMEngine) -> set[str]:
-    models = httpx.get(f"{engine.base_url}/v1/models", timeout=10).json()["data"]
+    key = {"Authorization": f"Bearer {engine.server.api_key}"}
+    models = httpx.get(f"{engine.base_url}/v1/models", timeout=10, headers=key).json()["data"]
     return {m["id"] for m in models if m.get("parent")}
 
 
@@ -239,8 +240,18 @@ async def test_training_hot_loads_each_adapter_and_resume_serves_the_latest(tiny
 @pytest.mark.vllm
 @pytest.mark.parametrize("served", ["vllm"], indirect=True)
 async def test_vllm_url_uses_a_server_that_is_already_running(served, tiny_model_dir, tmp_path):
-    url = served._backend.service(served).engine.base_url
-    async with artrl.LocalBackend(path=tmp_path, engine="vllm", vllm_url=url) as backend:
+    server = served._backend.service(served).engine.server
+    url = server.base_url
+    # the server artrl started answers nobody without its key: no local process can generate or swap adapters
+    async with httpx.AsyncClient(timeout=30) as http:
+        for path, body in (
+            ("/v1/models", None),
+            ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/"}),
+        ):
+            response = await (http.post(f"{url}{path}", json=body) if body else http.get(f"{url}{path}"))
+            assert response.status_code == 401, (path, response.text)
+    config = artrl.EngineConfig(kind="vllm", vllm=VLLMConfig(url=url, api_key=server.api_key))
+    async with artrl.LocalBackend(path=tmp_path, engine=config) as backend:
         model = artrl.TrainableModel(name="mine", project="u", base_model=str(tiny_model_dir))
         await model.register(backend)
         engine = backend.service(model).engine

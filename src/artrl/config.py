@@ -62,6 +62,12 @@ class VLLMConfig(_Frozen):
         description="an already running vLLM server (e.g. http://host:8000); None = start one. Training needs "
         "it started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this filesystem",
     )
+    api_key: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the key of the server at `url` (its --api-key); a server artrl starts gets a fresh random "
+        "key, so no other local process can generate or swap its adapters",
+    )
     python: str | None = Field(
         default=None,
         description="the interpreter of vLLM's environment; None = $ARTRL_VLLM_PYTHON, else .venv-vllm/bin/python "

@@ -88,8 +88,10 @@ class VLLMEngine:
         max_context: int,
         config: VLLMConfig,
         server: VLLMServer | None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.served_name = served_name  # the base model's name on the vLLM server
         self.target = served_name  # what requests ask vLLM for: the base, or the latest adapter
         self.model_name = model_name  # the artrl model's name: adapters are `{model_name}@{step}`
@@ -162,7 +164,7 @@ class VLLMEngine:
         fan_out = body["n"] < len(streams)  # greedy: choice 0 feeds every stream
         url = f"{self.base_url}/v1/completions"
         async with asyncio.timeout(self.config.request_timeout_s):
-            async with self._client().stream("POST", url, json=body) as response:
+            async with self._client().stream("POST", url, json=body, headers=self._headers) as response:
                 if response.status_code != 200:
                     await response.aread()
                     raise EngineError(f"vLLM answered {response.status_code}: {response.text[:2000]}")
@@ -171,7 +173,8 @@ class VLLMEngine:
                         continue
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        where = f" (its log: {self.server.log_path})" if self.server else ""
+                        server = self.server  # read once: a weight reload may replace it meanwhile
+                        where = f" (its log: {server.log_path})" if server else ""
                         raise EngineError(f"vLLM failed mid-stream{where}: {chunk['error']}")
                     for choice in chunk.get("choices", []):
                         targets = range(len(streams)) if fan_out else [choice["index"]]
@@ -191,8 +194,9 @@ class VLLMEngine:
                         return
 
     def _explain(self, exc: BaseException) -> str:
-        if self.server is not None and not self.server.alive:
-            return self.server.describe_exit()
+        server = self.server  # read once: a weight reload may replace it meanwhile
+        if server is not None and not server.alive:
+            return server.describe_exit()
         if isinstance(exc, TimeoutError):
             return f"vLLM did not finish within {self.config.request_timeout_s:g} s (VLLMConfig.request_timeout_s)"
         return f"request to vLLM at {self.base_url} failed: {type(exc).__name__}: {exc}"
@@ -202,7 +206,7 @@ class VLLMEngine:
         self, path: str, body: dict[str, Any] | None = None, method: str = "POST"
     ) -> httpx.Response:
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
-        async with httpx.AsyncClient(timeout=timeout) as http:
+        async with httpx.AsyncClient(timeout=timeout, headers=self._headers) as http:
             try:
                 response = await http.request(method, f"{self.base_url}{path}", json=body)
             except httpx.HTTPError as exc:
@@ -238,8 +242,9 @@ class VLLMEngine:
             )
         old, self.server = self.server, None
         await asyncio.to_thread(old.stop)
-        self.server = await asyncio.to_thread(start_server)
-        self.base_url = self.server.base_url
+        server = await asyncio.to_thread(start_server)
+        self.base_url, self._headers = server.base_url, {"Authorization": f"Bearer {server.api_key}"}
+        self.server = server
 
     async def sleep(self) -> None:
         """GPU sharing: free vLLM's GPU memory (level 1: weights to CPU, KV cache dropped) for training.

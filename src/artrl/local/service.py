@@ -205,11 +205,11 @@ class VLLMLaunch:
                     "full fine-tuning (lora=None) with a vLLM server artrl did not start (vllm_url) cannot "
                     "reload the weights after a step; train a LoRA, or let artrl start the server"
                 )
-            base_url, served = config.url, served_model_of(config.url, config)
+            base_url, served, key = config.url, served_model_of(config.url, config), config.api_key
         else:
             server = self.server(resume_from if self.lora is None else None)
-            base_url, served = server.base_url, self.served_name
-        engine = VLLMEngine(base_url, served, self.served_name, self.max_context, config, server)
+            base_url, served, key = server.base_url, self.served_name, server.api_key
+        engine = VLLMEngine(base_url, served, self.served_name, self.max_context, config, server, key)
         if self.lora is not None and resume_from is not None:
             try:
                 asyncio.run(engine.load_adapter(int(resume_from.name), str(resume_from)))
@@ -240,7 +240,10 @@ def served_model_of(url: str, config: VLLMConfig) -> str:
     import httpx
 
     try:
-        response = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=config.connect_timeout_s)
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        response = httpx.get(
+            f"{url.rstrip('/')}/v1/models", timeout=config.connect_timeout_s, headers=headers
+        )
         response.raise_for_status()
         models = response.json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as exc:

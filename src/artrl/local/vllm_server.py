@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -82,8 +83,11 @@ def lora_rank_limit(rank: int) -> int:
 class VLLMServer:
     """Start with `VLLMServer.start(...)`; `stop()` (idempotent) leaves no process behind."""
 
-    def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path, config: VLLMConfig) -> None:
+    def __init__(
+        self, process: subprocess.Popen, base_url: str, log_path: Path, config: VLLMConfig, api_key: str
+    ) -> None:
         self.process, self.base_url, self.log_path, self.config = process, base_url, log_path, config
+        self.api_key = api_key  # every /v1 request needs it (generation, adapter loading)
         # the group ends with this object, at interpreter exit at the latest
         self._finalizer = weakref.finalize(self, _end_group, process)
 
@@ -123,8 +127,10 @@ class VLLMServer:
         if config.sleep_while_training:
             args += ["--enable-sleep-mode"]
         args += list(config.extra_args)
+        api_key = secrets.token_urlsafe(32)  # in the environment, not the command line (`ps` shows that)
         env = {
             **os.environ,
+            "VLLM_API_KEY": api_key,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
                 "VLLM_CPU_KVCACHE_SPACE", f"{config.cpu_kv_cache_gib:g}"
@@ -148,7 +154,7 @@ class VLLMServer:
                 env=env,
                 start_new_session=True,
             )
-        server = cls(process, f"http://127.0.0.1:{port}", log_path, config)
+        server = cls(process, f"http://127.0.0.1:{port}", log_path, config, api_key)
         try:
             server._wait_healthy()
         except BaseException:
