@@ -92,3 +92,39 @@ async def test_a_request_failure_is_a_500_for_that_request_only(served):
     client = served.openai_client()
     with pytest.raises(openai.BadRequestError):  # a client mistake stays a 4xx
         await client.chat.completions.create(model=served.name, messages=[], max_tokens=4)
+
+
+async def test_a_stream_that_gets_nothing_fails_instead_of_hanging():
+    from artrl.local.engine import SequenceStream
+
+    stream = SequenceStream(asyncio.get_running_loop(), idle_timeout_s=0.2)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(EngineError, match=r"sent nothing for 0\.2 s"):
+        async for _ in stream:
+            pass
+    assert asyncio.get_running_loop().time() - started < 2 and stream.aborted
+
+
+async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_model):
+    """Work queued after the close's sentinel (a call racing the close) used to wait forever."""
+    import threading
+    from concurrent.futures import Future
+
+    from artrl.local.engine import SequenceStream
+    from artrl.local.engine_hf import _Job, _Request, _Sequence
+
+    engine = HFEngine(hf_model, max_context=2048)
+    release = threading.Event()
+    busy = engine.call(release.wait)  # the engine thread is inside a job (a training step, say)
+    closing = asyncio.create_task(engine.close())
+    await asyncio.sleep(0.1)
+    late_job = _Job(lambda: 1, Future())
+    late_stream = SequenceStream(asyncio.get_running_loop())
+    engine._incoming.put(late_job)  # behind the close's sentinel
+    engine._incoming.put(_Request([1, 2], [_Sequence(late_stream, GREEDY, None)]))
+    release.set()
+    await asyncio.wait_for(closing, 10)
+    assert busy.result() is True
+    with pytest.raises(RuntimeError, match="engine closed"):
+        late_job.future.result(timeout=5)
+    assert [t async for t in late_stream] == [] and late_stream.finish_reason == "abort"

@@ -125,6 +125,12 @@ class EngineConfig(_Frozen):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field(default="auto", description="'auto' picks cuda when available, else cpu")
     default_max_tokens: int = Field(default=1024, ge=1, description="when a request sets no max_tokens")
+    stream_idle_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="a sequence that gets no token for this long fails instead of hanging its client; longer "
+        "than a training step, which pauses the embedded engine",
+    )
     max_n: int = Field(default=32, ge=1, description="largest `n` one request may ask for")
 
 

@@ -30,8 +30,9 @@ class _End:
 class SequenceStream:
     """The tokens of one sampled sequence, pushed by an engine thread, read by the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_timeout_s: float | None = None) -> None:
         self._loop = loop
+        self._idle_timeout_s = idle_timeout_s  # no token and no end for this long: an error, never a hang
         self._queue: asyncio.Queue[TokenChoice | _End] = asyncio.Queue()
         self._aborted = threading.Event()
         self.finish_reason: FinishReason | None = None
@@ -60,7 +61,14 @@ class SequenceStream:
 
     async def __aiter__(self) -> AsyncIterator[TokenChoice]:
         while True:
-            item = await self._queue.get()
+            try:
+                item = await asyncio.wait_for(self._queue.get(), self._idle_timeout_s)
+            except TimeoutError:
+                self._aborted.set()
+                self.finish_reason = "error"
+                raise EngineError(
+                    f"the engine sent nothing for {self._idle_timeout_s:g} s (EngineConfig.stream_idle_timeout_s)"
+                ) from None
             if isinstance(item, _End):
                 self.finish_reason = item.reason
                 if item.reason == "error":

@@ -11,6 +11,7 @@ one allocator arena for everything that computes, so generation and training nev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import queue
@@ -87,8 +88,15 @@ class HFEngine:
     """Continuous-batching generation over a transformers causal LM (optionally wrapped by PEFT)."""
 
     def __init__(
-        self, model, *, max_context: int, max_batch_size: int = 64, max_prefill_tokens: int = 16384
+        self,
+        model,
+        *,
+        max_context: int,
+        max_batch_size: int = 64,
+        max_prefill_tokens: int = 16384,
+        stream_idle_timeout_s: float | None = None,
     ) -> None:
+        self._idle_timeout_s = stream_idle_timeout_s
         self.model = model
         self._max_context = max_context
         self._max_batch_size = max_batch_size
@@ -124,7 +132,7 @@ class HFEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self._device).manual_seed((params.seed + i) % 2**64)
-            sequences.append(_Sequence(SequenceStream(loop), params, generator))
+            sequences.append(_Sequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
         self._incoming.put(_Request(list(prompt_ids), sequences))
         return [s.stream for s in sequences]
 
@@ -157,8 +165,17 @@ class HFEngine:
                 log.exception("engine step failed")  # the running batch is lost; queued requests are not
                 self._fail_running(f"{type(exc).__name__}: {exc}")
         self._fail_all("engine closed", reason="abort")
+        # what was queued behind the close (a call that raced it) fails too: nothing waits forever
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._incoming.get_nowait()
+                if isinstance(item, _Job):
+                    self._jobs.append(item)
+                elif item is not None:
+                    _fail(item.sequences, "engine closed", "abort")
         for job in self._jobs:
-            job.future.set_exception(RuntimeError("engine closed"))
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("engine closed"))
 
     def _run_jobs(self) -> None:
         jobs, self._jobs = self._jobs, []

@@ -84,6 +84,7 @@ class LocalService:
                 max_context=max_context,
                 max_batch_size=engine_config.max_batch_size,
                 max_prefill_tokens=engine_config.max_prefill_tokens,
+                stream_idle_timeout_s=engine_config.stream_idle_timeout_s,
             )
         try:
             service = cls.serve(
