@@ -76,3 +76,26 @@ class SlowEngine:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
+
+
+@dataclass
+class InstantEngine:
+    """Answers every sequence at once with `tokens` (then a stop): the gateway at full speed, for fuzzing."""
+
+    tokens: list[int] = field(default_factory=lambda: [5, 6])
+    stop: int = 2
+    max_context: int = 2048
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
+        loop = asyncio.get_running_loop()
+        streams = []
+        for _ in range(n):
+            stream = SequenceStream(loop)
+            for token in [*self.tokens, self.stop][: params.max_tokens]:
+                stream.push(TokenChoice(token, -0.1))
+            stream.end("stop")
+            streams.append(stream)
+        return streams
+
+    async def close(self) -> None:
+        return None

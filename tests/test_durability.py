@@ -27,7 +27,9 @@ def group(model_name: str) -> artrl.TrajectoryGroup:
                 "token_logprobs": [-1.0, -1.0],
             }
         )
-        return artrl.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=reward)
+        return artrl.Trajectory(
+            messages_and_choices=[{"role": "user", "content": "q"}, choice], reward=reward
+        )
 
     return artrl.TrajectoryGroup([traj(0.0, 7), traj(1.0, 8)])
 
@@ -37,7 +39,9 @@ def small_disk(tmp_path):
     """A 24 MiB tmpfs: a disk that can really fill up."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); needs root")
     yield mount

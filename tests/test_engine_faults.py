@@ -14,7 +14,9 @@ from artrl.local.engine_hf import HFEngine
 from artrl.local.sampling import SamplingParams
 
 POISON = 1234  # a prompt holding this token fails at prefill
-FAIL_AT = 57  # a decode step at this position fails (only the sequence whose prompt is 50 tokens long gets there)
+FAIL_AT = (
+    57  # a decode step at this position fails (only the sequence whose prompt is 50 tokens long gets there)
+)
 
 
 class FaultyModel(torch.nn.Module):
@@ -63,7 +65,9 @@ async def test_a_failing_prefill_or_decode_fails_only_its_sequence(hf_model):
         streams = [faulty.generate(p, GREEDY, 1)[0] for p in PROMPTS]
         bad_prefill = faulty.generate([7, POISON, 9], GREEDY, 1)[0]
         bad_decode = faulty.generate(list(range(300, 350)), GREEDY, 1)[0]  # reaches position 57
-        results = await asyncio.gather(*map(tokens, [*streams, bad_prefill, bad_decode]), return_exceptions=True)
+        results = await asyncio.gather(
+            *map(tokens, [*streams, bad_prefill, bad_decode]), return_exceptions=True
+        )
         assert results[:2] == alone  # the healthy requests in the same batches finish as if alone
         assert isinstance(results[2], EngineError) and "prefill" in str(results[2])
         assert isinstance(results[3], EngineError) and "decode" in str(results[3])
@@ -81,8 +85,12 @@ async def test_a_vanishing_temperature_samples_greedily(served):
         client.chat.completions.create(model=served.name, messages=messages, max_tokens=12, seed=s)
         for s in range(4)
     ]
-    tiny = client.chat.completions.create(model=served.name, messages=messages, max_tokens=12, temperature=1e-40)
-    greedy = await client.chat.completions.create(model=served.name, messages=messages, max_tokens=12, temperature=0)
+    tiny = client.chat.completions.create(
+        model=served.name, messages=messages, max_tokens=12, temperature=1e-40
+    )
+    greedy = await client.chat.completions.create(
+        model=served.name, messages=messages, max_tokens=12, temperature=0
+    )
     results = await asyncio.gather(tiny, *others)
     assert results[0].choices[0].token_ids == greedy.choices[0].token_ids
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
