@@ -136,3 +136,12 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
     with pytest.raises(RuntimeError, match="engine closed"):
         late_job.future.result(timeout=5)
     assert [t async for t in late_stream] == [] and late_stream.finish_reason == "abort"
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    from artrl.local.sampling import SamplingError, sample_rows
+
+    logits = torch.tensor([[0.0, 1.0, 2.0], [float("nan")] * 3, [2.0, 1.0, 0.0]])  # (3, V)
+    params = [SamplingParams(max_tokens=1, temperature=t) for t in (0.0, 1.0, 1.0)]
+    first, bad, third = sample_rows(logits, params, [None, None, torch.Generator().manual_seed(0)])
+    assert first.token_id == 2 and isinstance(bad, SamplingError) and third.token_id in (0, 1, 2)
