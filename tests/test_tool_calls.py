@@ -157,3 +157,22 @@ def test_plain_format_passes_text_through():
     parser = OutputParser(None, None, "", None, set())
     assert [p.text for p in parser.feed("a <tool_call> b")] == ["a <tool_call> b"]
     assert parser.finish() == [] and parser.content == "a <tool_call> b"
+
+
+def test_streamed_decoding_is_linear_and_exact(tokenizer):
+    """Each token's text comes from a short window (before: the whole sequence was decoded at every token,
+    quadratic in its length); the text is exactly the whole decode, multi-byte characters included."""
+    from artrl.local.chat_format.decoding import IncrementalDecoder
+
+    class Counting:  # the real tokenizer, counting the ids it decodes
+        decoded = 0
+
+        def decode(self, ids, **kwargs):
+            Counting.decoded += len(ids)
+            return tokenizer.decode(ids, **kwargs)
+
+    ids = tokenizer("café 東京 ✓ apples and pears " * 100, add_special_tokens=False)["input_ids"]
+    decoder = IncrementalDecoder(Counting())
+    text = "".join(decoder.push(i) for i in ids) + decoder.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert Counting.decoded < 10 * len(ids)  # a full re-decode per token would be ~len(ids)**2 / 2

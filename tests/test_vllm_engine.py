@@ -320,3 +320,23 @@ async def test_full_finetuning_restarts_vllm_on_the_new_weights(tiny_model_dir, 
         after = (await model.openai_client().chat.completions.create(model="full", **PROBE)).choices[0]
         expected = await trainer_logprobs(backend, model, after)
         assert after.model_extra["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_explaining_a_failure_survives_a_reload_that_replaces_the_server():
+    """A weight reload sets engine.server to None while it starts the new one; an error explained at that
+    moment used to read the server twice and fail with AttributeError instead of reporting."""
+    engine = VLLMEngine("http://vllm.invalid", "m", "m", 2048, VLLMConfig(), None)
+
+    class ReplacedWhileRead:  # a stopped server that a reload replaces as soon as it is looked at
+        log_path = "vllm.log"
+
+        @property
+        def alive(self) -> bool:
+            engine.server = None
+            return False
+
+        def describe_exit(self) -> str:
+            return "the vLLM server exited"
+
+    engine.server = ReplacedWhileRead()  # type: ignore[assignment]
+    assert engine._explain(RuntimeError("connection refused")) == "the vLLM server exited"
