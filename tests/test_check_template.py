@@ -12,6 +12,7 @@ import pytest
 from artrl.cli import main
 from artrl.local.family_models import FAMILY_MODELS
 
+pytestmark = pytest.mark.slow  # builds the family models
 DOCS = (Path(__file__).parent.parent / "docs" / "model-families.md").read_text()
 
 

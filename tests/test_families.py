@@ -17,6 +17,7 @@ import artrl
 from artrl.local.family_models import FAMILY_MODELS, FIXTURE_TOOLS, fixture_conversation
 from artrl.local.rows import trajectory_rows
 
+pytestmark = pytest.mark.slow  # each family builds its tiny model (~15 s)
 REASONS = {"qwen3", "gpt_oss", "glm4_5"}  # families whose fixtures think by default
 VLLM_FAMILIES = ("qwen3", "llama3_1", "gpt_oss")
 CASES = [pytest.param((f, "hf"), id=f"{f}-hf") for f in FAMILY_MODELS] + [

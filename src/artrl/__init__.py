@@ -4,6 +4,8 @@
 `artrl.local` and load when a model is registered with a `LocalBackend`.
 """
 
+from importlib.metadata import version as _version
+
 from artrl import rewards
 from artrl.backend import CheckpointError, LocalBackend
 from artrl.capturing import Capture, CaptureError, capture
@@ -57,4 +59,4 @@ __all__ = [
     "retry",
     "rewards",
 ]
-__version__ = "0.1.0"
+__version__ = _version("artrl")

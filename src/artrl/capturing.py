@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
@@ -26,7 +26,16 @@ from artrl.trajectory import Trajectory
 if TYPE_CHECKING:
     import openai
 
-    from artrl.model import TrainableModel
+
+class ServedModel(Protocol):
+    """What a capture needs of a model (a `TrainableModel` is one): where its gateway is, and the key."""
+
+    @property
+    def inference_base_url(self) -> str: ...
+
+    @property
+    def inference_api_key(self) -> str: ...
+
 
 CAPTURE_HEADER = "X-Artrl-Capture"
 
@@ -104,7 +113,7 @@ def _check(response: httpx.Response, action: str) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def capture(model: TrainableModel, *, timeout: float = 30.0) -> AsyncIterator[Capture]:
+async def capture(model: ServedModel, *, timeout: float = 30.0) -> AsyncIterator[Capture]:
     """Record the calls made to `model`'s gateway inside the block (see this module's docstring).
 
     On exit, `Capture.trajectory` holds the main conversation (`messages_and_choices`, `tools`) and, as

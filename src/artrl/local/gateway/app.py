@@ -20,8 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from artrl.capturing import CAPTURE_HEADER  # the one name of the header clients send
 from artrl.local.engine import EngineError
-from artrl.local.gateway.captures import CAPTURE_HEADER, CaptureStore
+from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.protocol import RequestError, parse_request
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
 

@@ -17,8 +17,6 @@ from typing import Any
 
 from artrl.local.gateway.protocol import RequestError
 
-CAPTURE_HEADER = "x-artrl-capture"
-
 
 @dataclass
 class _Capture:
