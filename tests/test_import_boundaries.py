@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.family_models": 3,
     "artrl.local.template_check": 4,
     "artrl.local.service": 4,
-    "artrl.backend": 5,
+    "artrl.local.backend": 5,
     "artrl.tiny": 5,
     "artrl.cli": 5,
     "artrl": 6,  # the package's __init__: re-exports

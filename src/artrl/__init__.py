@@ -5,9 +5,9 @@
 """
 
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
 from artrl import rewards
-from artrl.backend import CheckpointError, LocalBackend
 from artrl.capturing import Capture, CaptureError, capture
 from artrl.config import (
     ClientConfig,
@@ -59,4 +59,17 @@ __all__ = [
     "retry",
     "rewards",
 ]
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__ below
+    from artrl.local.backend import CheckpointError, LocalBackend
+
 __version__ = _version("artrl")
+
+
+def __getattr__(name: str):
+    """`artrl.LocalBackend` and `artrl.CheckpointError` live with the rest of the local wiring, in
+    `artrl.local.backend`; they are imported on first use (still without torch: that loads on `register`)."""
+    if name in ("LocalBackend", "CheckpointError"):
+        from artrl.local import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module 'artrl' has no attribute {name!r}")

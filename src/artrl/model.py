@@ -39,6 +39,10 @@ class Backend(Protocol):
         self, model: TrainableModel, groups: list[TrajectoryGroup], split: str
     ) -> dict[str, float]: ...
 
+    async def export(self, model: TrainableModel, directory: str) -> None:
+        """Write the current weights (and tokenizer) as a Hugging Face folder."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -176,10 +180,7 @@ class TrainableModel(BaseModel):
 
     async def export(self, directory: str) -> None:
         """Save the current weights + tokenizer as a Hugging Face folder (see LocalBackend.export)."""
-        export = getattr(self._require_backend(), "export", None)
-        if export is None:
-            raise NotImplementedError("this backend cannot export weights")
-        await export(self, directory)
+        await self._require_backend().export(self, directory)
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
         """Record evaluation rollouts (trajectories + a history row at the current step) without training."""

@@ -8,13 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeVar
 
-from artrl.local.sampling import SamplingParams, TokenChoice
+T = TypeVar("T")
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_logprobs: int = 0
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class EngineError(RuntimeError):
@@ -78,13 +96,26 @@ class SequenceStream:
 
 
 class Engine(Protocol):
-    """The contract between the gateway and whatever generates tokens."""
+    """The contract between the gateway (and the trainer's wiring) and whatever generates tokens. An engine
+    owns its behaviour around training, so nothing outside it asks which engine it is."""
 
     @property
     def max_context(self) -> int: ...
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
         """Start n sampled continuations of prompt_ids; must be called from the event loop."""
+        ...
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run fn (a training step, a save) where nothing else touches the trainer's weights."""
+        ...
+
+    def training(self) -> AbstractAsyncContextManager[None]:
+        """The context a training step runs in (an engine sharing a GPU with the trainer steps aside)."""
+        ...
+
+    async def publish(self, step: int, checkpoint: str, adapter: bool) -> None:
+        """The trainer wrote `checkpoint` (an adapter, or full weights): generate with it from now on."""
         ...
 
     async def close(self) -> None: ...

@@ -144,6 +144,16 @@ class HFEngine:
         self._incoming.put(job)
         return job.future
 
+    async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+        """On the engine's own thread, between two token steps: generation pauses, then uses the result."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    def training(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()  # type: ignore[return-value]  # async-compatible in 3.10+
+
+    async def publish(self, step: int, checkpoint: str, adapter: bool) -> None:
+        """Nothing to do: the engine generates with the very weights the trainer updated."""
+
     async def close(self) -> None:
         self._closed = True
         self._incoming.put(None)

@@ -14,16 +14,17 @@ step's checkpoint (a supervised server only).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
 from artrl.config import VLLMConfig
-from artrl.local.engine import EngineError, SequenceStream
-from artrl.local.sampling import SamplingParams, TokenChoice
+from artrl.local.engine import EngineError, SamplingParams, SequenceStream, TokenChoice
 from artrl.local.vllm_server import VLLMServer
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,11 @@ class VLLMEngine:
         config: VLLMConfig,
         server: VLLMServer | None,
         api_key: str | None = None,
+        restart: Callable[[str], VLLMServer] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._restart = restart  # full fine-tuning: a server on a checkpoint folder (None: one artrl did not start)
+        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.served_name = served_name  # the base model's name on the vLLM server
         self.target = served_name  # what requests ask vLLM for: the base, or the latest adapter
@@ -246,6 +250,37 @@ class VLLMEngine:
         self.base_url, self._headers = server.base_url, {"Authorization": f"Bearer {server.api_key}"}
         self.server = server
 
+    # ------------------------------------------------------------------ around training
+    async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+        """On the trainer's own thread: vLLM holds its own copy of the weights and goes on generating."""
+        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn)
+
+    @contextlib.asynccontextmanager
+    async def training(self) -> AsyncIterator[None]:
+        """Where the user shares one GPU between vLLM and the trainer (VLLMConfig.sleep_while_training), vLLM
+        sleeps inside the block and wakes up after it, failed or not."""
+        if not self.config.sleep_while_training:
+            yield
+            return
+        try:
+            await self.sleep()
+            yield
+        finally:
+            try:  # a failure here must not cost the step its checkpoint: publish wakes it again
+                await self.wake_up()
+            except EngineError as exc:
+                log.warning("vLLM did not wake up after training: %s", exc)
+
+    async def publish(self, step: int, checkpoint: str, adapter: bool) -> None:
+        """Load the step's adapter as `{model}@{step}`; after full fine-tuning, restart on the checkpoint."""
+        if self.config.sleep_while_training:
+            await self.wake_up()  # awake already, unless waking after training failed
+        if adapter:
+            await self.load_adapter(step, checkpoint)
+        else:
+            restart = self._restart
+            await self.reload_weights(None if restart is None else lambda: restart(checkpoint))
+
     async def sleep(self) -> None:
         """GPU sharing: free vLLM's GPU memory (level 1: weights to CPU, KV cache dropped) for training.
         Requests in flight finish first (`mode=wait`); new ones wait for `wake_up`."""
@@ -268,3 +303,4 @@ class VLLMEngine:
         finally:
             if self.server is not None:
                 await asyncio.to_thread(self.server.stop)
+            self._trainer_thread.shutdown(wait=True)

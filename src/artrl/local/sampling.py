@@ -6,26 +6,11 @@ vLLM's default and what the trainer recomputes; temperature and top-p only shape
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from artrl.local.engine import SamplingParams, TokenChoice
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_logprobs: int = 0
-    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
-
-
-@dataclass(frozen=True)
-class TokenChoice:
-    token_id: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+__all__ = ["SamplingError", "SamplingParams", "TokenChoice", "sample_row", "sample_rows", "top_p_filter"]
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM does): 1/T would overflow

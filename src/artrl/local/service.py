@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig, VLLMConfig
 from artrl.local.chat_format import ChatFormat
-from artrl.local.engine import Engine, EngineError
+from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
 from artrl.local.engine_vllm import VLLMEngine
 from artrl.local.gateway.app import create_app
@@ -44,8 +43,6 @@ class LocalService:
     server: GatewayServer
     trainer: Trainer | None = None
     max_context: int = 0
-    _training_thread: ThreadPoolExecutor | None = None  # the vLLM engine: training runs here
-    _vllm: VLLMLaunch | None = None  # how vLLM was started (full fine-tuning restarts it on a checkpoint)
 
     @property
     def base_url(self) -> str:
@@ -74,7 +71,6 @@ class LocalService:
         if resume_from is not None:
             trainer.load(str(resume_from))
         max_context = context_length(model, engine_config)
-        launch = None
         if engine_config.kind == "vllm":
             launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
             engine: Engine = launch.engine(resume_from)
@@ -91,13 +87,9 @@ class LocalService:
                 served_name, model, tokenizer, engine, engine_config, gateway_config, chat_format
             )
         except BaseException:
-            if isinstance(engine, VLLMEngine) and engine.server is not None:
-                engine.server.stop()
+            asyncio.run(engine.close())  # a vLLM server started for it must not outlive it
             raise
         service.trainer = trainer
-        if isinstance(engine, VLLMEngine):
-            service._training_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
-            service._vllm = launch
         return service
 
     @classmethod
@@ -135,53 +127,49 @@ class LocalService:
         server.start(gateway_config.startup_timeout_s)
         return cls(model, tokenizer, fmt, engine, server, max_context=engine.max_context)
 
-    async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run fn where nothing else touches the trainer's weights: on the embedded engine's thread, between
-        token steps; with vLLM (which has its own copy) on the trainer's own thread."""
-        if isinstance(self.engine, HFEngine):
-            return await asyncio.wrap_future(self.engine.call(fn))
-        if self._training_thread is None:
-            raise RuntimeError("training needs a model loaded by LocalService.start")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._training_thread, fn)
+    def _trainer(self) -> Trainer:
+        if self.trainer is None:
+            raise RuntimeError("this service serves a model it cannot train (started without a trainer)")
+        return self.trainer
 
-    @contextlib.asynccontextmanager
-    async def training(self) -> AsyncIterator[None]:
-        """Around a training step: where the user shares one GPU between vLLM and the trainer
-        (VLLMConfig.sleep_while_training), vLLM sleeps inside the block and wakes up after it, failed or not."""
-        engine = self.engine
-        if not (isinstance(engine, VLLMEngine) and engine.config.sleep_while_training):
-            yield
-            return
-        try:
-            await engine.sleep()
-            yield
-        finally:
-            try:  # a failure here must not cost the step its checkpoint: weights_updated wakes it again
-                await engine.wake_up()
-            except EngineError as exc:
-                log.warning("vLLM did not wake up after training: %s", exc)
+    async def train_step(self, batch: Any, config: Any) -> dict[str, float]:
+        """One GRPO call (see Trainer.step), where nothing else touches the weights."""
+        async with self.training():
+            return await self.run_exclusive(lambda: self._trainer().step(batch, config))
+
+    async def train_sft(self, steps: list[list[Any]], config: Any) -> dict[str, float]:
+        async with self.training():
+            return await self.run_exclusive(lambda: self._trainer().sft(steps, config))
+
+    def save_weights(self, directory: str) -> None:
+        """Adapter or full weights and the optimizer state into `directory` (call it through run_exclusive)."""
+        self._trainer().save(directory)
+
+    async def export(self, directory: str) -> None:
+        """The current weights as a Hugging Face folder with the tokenizer."""
+
+        def write() -> None:
+            self.model.save_pretrained(directory)
+            self.tokenizer.save_pretrained(directory)
+
+        await self.run_exclusive(write)
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run fn where nothing else touches the trainer's weights (the engine decides where)."""
+        return await self.engine.run_exclusive(fn)
+
+    def training(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Around a training step (the engine decides what that means for it)."""
+        return self.engine.training()
 
     async def weights_updated(self, step: int, checkpoint: Path) -> None:
-        """The trainer published `checkpoint`: make the engine generate with it from the next request on.
-
-        The embedded engine already does (same weights); vLLM loads the adapter as `{model}@{step}`, or, after
-        full fine-tuning, restarts on the checkpoint."""
-        if not isinstance(self.engine, VLLMEngine):
-            return
-        if self.engine.config.sleep_while_training:
-            await self.engine.wake_up()  # awake already, unless waking after training failed
-        if self.trainer is not None and self.trainer.has_adapter:
-            await self.engine.load_adapter(step, str(checkpoint))
-        else:
-            launch = self._vllm
-            await self.engine.reload_weights(None if launch is None else lambda: launch.server(checkpoint))
+        """The trainer published `checkpoint`: the engine generates with it from the next request on."""
+        adapter = self.trainer is not None and self.trainer.has_adapter
+        await self.engine.publish(step, str(checkpoint), adapter)
 
     async def close(self) -> None:
         self.server.stop()
         await self.engine.close()
-        if self._training_thread is not None:
-            self._training_thread.shutdown(wait=True)
 
 
 @dataclass(frozen=True)
@@ -210,7 +198,10 @@ class VLLMLaunch:
         else:
             server = self.server(resume_from if self.lora is None else None)
             base_url, served, key = server.base_url, self.served_name, server.api_key
-        engine = VLLMEngine(base_url, served, self.served_name, self.max_context, config, server, key)
+        restart = None if config.url is not None else lambda checkpoint: self.server(Path(checkpoint))
+        engine = VLLMEngine(
+            base_url, served, self.served_name, self.max_context, config, server, key, restart=restart
+        )
         if self.lora is not None and resume_from is not None:
             try:
                 asyncio.run(engine.load_adapter(int(resume_from.name), str(resume_from)))

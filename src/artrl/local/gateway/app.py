@@ -324,10 +324,14 @@ async def _sse(
         options = prepared.request.stream_options
         if options is not None and options.include_usage:
             yield chunk([], usage=_usage(prepared, results))
-    except Exception as exc:  # headers are sent: report the failure in the stream itself
-        code = "engine_error" if isinstance(exc, EngineError) else "internal_error"
-        if code == "internal_error":
-            log.exception("stream failed")
-        body = RequestError(f"generation failed: {type(exc).__name__}: {exc}", code=code, status=500).body()
-        yield f"data: {json.dumps(body)}\n\n".encode()
+    except EngineError as exc:  # headers are sent: report the failure in the stream itself
+        yield _stream_error(exc, "engine_error")
+    except Exception as exc:
+        log.exception("stream failed")
+        yield _stream_error(exc, "internal_error")
     yield b"data: [DONE]\n\n"
+
+
+def _stream_error(exc: Exception, code: str) -> bytes:
+    body = RequestError(f"generation failed: {type(exc).__name__}: {exc}", code=code, status=500).body()
+    return f"data: {json.dumps(body)}\n\n".encode()

@@ -18,12 +18,11 @@ from typing import Any
 
 from artrl.local.chat_format import ChatFormat, Piece
 from artrl.local.chat_format.decoding import IncrementalDecoder, decode_all
-from artrl.local.engine import Engine, SequenceStream
+from artrl.local.engine import Engine, SamplingParams, SequenceStream, TokenChoice
 from artrl.local.gateway.messages import normalize_messages
 from artrl.local.gateway.prompts import Prompt, PromptBuilder
 from artrl.local.gateway.protocol import ChatRequest, NamedToolChoice, RequestError
 from artrl.local.gateway.stop_strings import StopStrings
-from artrl.local.sampling import SamplingParams, TokenChoice
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""`LocalBackend`: serve and train models on this machine. Light to import; heavy parts load on
-`register` from `artrl.local`."""
+"""`LocalBackend` (public as `artrl.LocalBackend`): serve and train models on this machine — the wiring of
+service, trainer and storage, in one place. Light to import: the engine, gateway and trainer load on
+`register` (`artrl.local.service`)."""
 
 from __future__ import annotations
 
@@ -147,7 +148,6 @@ class LocalBackend:
         from artrl.local.batch import build_batch
 
         service = self.service(model)
-        assert service.trainer is not None
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
             await self._write_unsaved(model, service, directory)
@@ -165,8 +165,7 @@ class LocalBackend:
             started = time.time()
             metrics = dict(batch.metrics)
             if batch.rows:
-                async with service.training():
-                    metrics.update(await service.run_exclusive(lambda: service.trainer.step(batch, config)))
+                metrics.update(await service.train_step(batch, config))
             else:
                 metrics["optimizer_steps"] = 0
             metrics["step_seconds"] = time.time() - started
@@ -179,7 +178,6 @@ class LocalBackend:
         from artrl.local.rows import trajectory_rows
 
         service = self.service(model)
-        assert service.trainer is not None
         if not trajectories:
             raise ValueError("train_sft() got no trajectories")
         directory = self.directory(model)
@@ -203,8 +201,7 @@ class LocalBackend:
             step = latest_step(directory) + 1
             write_trajectories(directory, "sft", step, [TrajectoryGroup(trajectories)])
             metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
-            async with service.training():
-                metrics.update(await service.run_exclusive(lambda: service.trainer.sft(steps, config)))
+            metrics.update(await service.train_sft(steps, config))
             await self._complete_step(model, service, directory, step, "sft", metrics)
         return TrainResult(step=step, metrics=metrics)
 
@@ -259,13 +256,12 @@ class LocalBackend:
     @staticmethod
     def _save_checkpoint(service: LocalService, directory, step: int, history_row: dict[str, Any]) -> None:
         """Weights, optimizer and the step's history row, published together by one rename."""
-        assert service.trainer is not None
         final = checkpoint_dir(directory, step)
         tmp = final.parent / f".tmp-{step:04d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            service.trainer.save(str(tmp))
+            service.save_weights(str(tmp))
             atomic_write_json(tmp / "history_row.json", history_row)
             publish_directory(tmp, final)
         except BaseException:
@@ -275,14 +271,7 @@ class LocalBackend:
     async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:
         """Write the current weights as a Hugging Face folder with the tokenizer: a full model after full
         fine-tuning (usable as `base_model=`), or a PEFT adapter folder (referencing its base) with LoRA."""
-        service = self.service(model)
-        assert service.trainer is not None
-
-        def write() -> None:
-            service.model.save_pretrained(directory)
-            service.tokenizer.save_pretrained(directory)
-
-        await service.run_exclusive(write)
+        await self.service(model).export(os.fspath(directory))
 
     async def log(self, model: TrainableModel, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
         if split in RESERVED_SPLITS:
