@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from artrl.config import TrainConfig
 from artrl.local.advantages import group_advantages
-from artrl.local.loss import LossSettings, policy_loss
+from artrl.local.loss import policy_loss
 
 
 def test_group_advantages_by_hand():
@@ -36,7 +37,7 @@ def test_ratio_one_is_plain_policy_gradient():
     lp, mask = inputs()
     adv = torch.tensor([2.0, -1.0])
     weights = torch.tensor([1.0, 0.5])
-    terms = policy_loss(lp, lp.detach().clone(), adv, mask, weights, normaliser=3.0, settings=LossSettings())
+    terms = policy_loss(lp, lp.detach().clone(), adv, mask, weights, normaliser=3.0, settings=TrainConfig())
     # L = -(1/N) Σ w·m·A·r with r = 1:  -(2·2 + 0.5·(-1)·2)/3 = -1
     assert terms.loss.item() == pytest.approx(-1.0)
     terms.loss.backward()
@@ -52,7 +53,7 @@ def test_ppo_clip_bounds_are_separate():
     lp = torch.tensor([[math.log(1.5), math.log(0.5)]], requires_grad=True)
     mu = torch.zeros(1, 2)  # behaviour prob 1: r = p
     mask = torch.ones(1, 2)
-    settings = LossSettings(clip_low=0.2, clip_high=0.28)
+    settings = TrainConfig(clip_low=0.2, clip_high=0.28)
     pos = policy_loss(lp, mu, torch.tensor([1.0]), mask, torch.ones(1), 2.0, settings)
     # A>0: token 0 ratio 1.5 clipped to 1.28 (no grad); token 1 ratio .5: min(.5, .8) = .5 (grad)
     assert pos.loss.item() == pytest.approx(-(1.28 + 0.5) / 2)
@@ -77,7 +78,7 @@ def test_cispo_keeps_gradient_of_clipped_tokens():
         torch.ones(1, 2),
         torch.ones(1),
         1.0,
-        LossSettings(kind="cispo", clip_high=0.28),
+        TrainConfig(loss="cispo", clip_high=0.28),
     )
     terms.loss.backward()
     # ℓ = -sg(min(r, 1.28))·A·lp  →  ∂/∂lp = -min(r, 1.28)
@@ -89,7 +90,7 @@ def test_truncated_importance_sampling_caps_the_weight():
     lp = torch.tensor([[0.0, 0.0]], requires_grad=True)  # trainer prob 1
     mu = torch.tensor([[math.log(0.25), math.log(0.8)]])  # sampler probs
     terms = policy_loss(
-        lp, mu, torch.tensor([1.0]), torch.ones(1, 2), torch.ones(1), 1.0, LossSettings(tis_cap=2.0)
+        lp, mu, torch.tensor([1.0]), torch.ones(1, 2), torch.ones(1), 1.0, TrainConfig(tis_cap=2.0)
     )
     terms.loss.backward()
     # weights min(1/.25, 2) = 2 and min(1/.8, 2) = 1.25; gradient -A·weight
@@ -106,7 +107,7 @@ def test_kl_penalty_k3():
         torch.ones(1, 1),
         torch.ones(1),
         1.0,
-        LossSettings(kl_coef=0.5),
+        TrainConfig(kl_coef=0.5),
         lp_ref=ref,
     )
     k3 = math.exp(-1.0) - (-1.0) - 1
@@ -119,6 +120,6 @@ def test_kl_penalty_k3():
 def test_unknown_behaviour_logprob_means_on_policy():
     lp, mask = inputs()
     mu = torch.full_like(lp, float("nan"))
-    terms = policy_loss(lp, mu, torch.tensor([1.0, 1.0]), mask, torch.ones(2), 4.0, LossSettings())
+    terms = policy_loss(lp, mu, torch.tensor([1.0, 1.0]), mask, torch.ones(2), 4.0, TrainConfig())
     assert terms.loss.item() == pytest.approx(-1.0)
     assert terms.mismatch == 0.0

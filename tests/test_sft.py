@@ -47,7 +47,7 @@ def dataset(n: int) -> list[artrl.Trajectory]:
 
 def mean_assistant_logprob(service, trajectories) -> float:
     rows = [r for i, t in enumerate(trajectories) for r in trajectory_rows(t, i, service.chat_format, True)]
-    batch = collate(rows, [0.0] * len(rows), torch.device("cpu"), service.tokenizer.pad_token_id)
+    batch = collate(rows, torch.device("cpu"), service.tokenizer.pad_token_id)
     with torch.no_grad():
         logits = service.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
         lp = torch.log_softmax(logits, -1).gather(-1, batch.ids[:, 1:, None])[..., 0]  # (B, T-1)

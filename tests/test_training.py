@@ -231,10 +231,10 @@ def test_chunked_logprobs_equal_full_logits(tiny_model_dir):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)  # a non-trivial adapter
     rows = [
-        Row(list(range(5, 40)), [0] * 10 + [1] * 25, [0.0] * 35),
-        Row(list(range(50, 70)), [0] * 5 + [1] * 15, [0.0] * 20),
+        Row(list(range(5, 40)), [0] * 10 + [1] * 25, [0.0] * 35, advantage=1.0),
+        Row(list(range(50, 70)), [0] * 5 + [1] * 15, [0.0] * 20, advantage=-1.0),
     ]
-    batch = collate(rows, [1.0, -1.0], torch.device("cpu"))
+    batch = collate(rows, torch.device("cpu"))
     results = []
     for chunk in (7, 10_000):
         model.zero_grad()

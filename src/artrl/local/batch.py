@@ -16,8 +16,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainingBatch:
-    rows: list[Row] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)  # per row
+    rows: list[Row] = field(default_factory=list)  # each with its trajectory's advantage
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -64,8 +63,8 @@ def build_batch(
                     )
                     continue
                 if advantage != 0.0:
+                    row.advantage = advantage
                     batch.rows.append(row)
-                    batch.advantages.append(advantage)
     all_rewards = [r for group in rewards for r in group]
     singletons = len(groups) - len(usable)
     if singletons:

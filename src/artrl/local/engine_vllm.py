@@ -93,7 +93,9 @@ class VLLMEngine:
         restart: Callable[[str], VLLMServer] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._restart = restart  # full fine-tuning: a server on a checkpoint folder (None: one artrl did not start)
+        self._restart = (
+            restart  # full fine-tuning: a server on a checkpoint folder (None: one artrl did not start)
+        )
         self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.served_name = served_name  # the base model's name on the vLLM server

@@ -27,15 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class LossSettings:
-    kind: str = "ppo"  # "ppo" | "cispo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float | None = None
-    kl_coef: float = 0.0
-    mismatch_threshold: float = 0.5  # |lp - mu| beyond this counts in `mismatch_over`
+from artrl.config import TrainConfig
 
 
 @dataclass
@@ -57,7 +49,7 @@ def policy_loss(
     mask: torch.Tensor,  # (B, T) float, 1 on sampled tokens
     weights: torch.Tensor,  # (B,) per row
     normaliser: float,  # N: weighted trainable tokens of the whole optimizer step
-    settings: LossSettings,
+    settings: TrainConfig,  # loss, clip_low, clip_high, tis_cap, kl_coef, mismatch_threshold
     lp_ref: torch.Tensor | None = None,  # (B, T) base-model logprobs, no grad (when kl_coef > 0)
 ) -> LossTerms:
     known_mu = torch.where(torch.isnan(mu), lp.detach(), mu)  # (B, T)
@@ -69,16 +61,16 @@ def policy_loss(
     else:
         ratio = torch.exp(lp - known_mu)  # (B, T)
         is_weight = torch.ones_like(lp)  # (B, T)
-    if settings.kind == "ppo":
+    if settings.loss == "ppo":
         clipped_ratio = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)  # (B, T)
         per_token = -torch.minimum(ratio * adv, clipped_ratio * adv) * is_weight  # (B, T)
         clipped = (ratio * adv > clipped_ratio * adv).float()  # (B, T) the clip is active
-    elif settings.kind == "cispo":
+    elif settings.loss == "cispo":
         capped = ratio.detach().clamp(max=1 + settings.clip_high)  # (B, T)
         per_token = -capped * adv * lp * is_weight  # (B, T)
         clipped = (ratio.detach() > 1 + settings.clip_high).float()  # (B, T)
     else:
-        raise ValueError(f"unknown loss {settings.kind!r}; use 'ppo' or 'cispo'")
+        raise ValueError(f"unknown loss {settings.loss!r}; use 'ppo' or 'cispo'")
     kl = torch.zeros_like(lp)  # (B, T)
     if settings.kl_coef > 0:
         if lp_ref is None:

@@ -32,7 +32,7 @@ def pack(rows: list[Row], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-def collate(rows: list[Row], advantages: list[float], device: torch.device, pad_id: int = 0) -> MicroBatch:
+def collate(rows: list[Row], device: torch.device, pad_id: int = 0) -> MicroBatch:
     length = max(len(r.ids) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)  # (B, T)
     attention = torch.zeros((len(rows), length), dtype=torch.long)  # (B, T)
@@ -49,6 +49,6 @@ def collate(rows: list[Row], advantages: list[float], device: torch.device, pad_
         attention=attention.to(device),
         mask=mask[:, 1:].to(device),  # token t+1 is predicted at position t
         behaviour=behaviour[:, 1:].to(device),
-        advantages=torch.tensor(advantages, dtype=torch.float32, device=device),
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
         weights=torch.tensor([r.weight for r in rows], dtype=torch.float32, device=device),
     )

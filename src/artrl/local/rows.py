@@ -39,6 +39,7 @@ class Row:
     logprobs: list[float] = field(default_factory=list)  # behaviour logprob of each sampled token
     trajectory: int = 0  # index of its trajectory in the batch
     weight: float = 1.0
+    advantage: float = 0.0  # its trajectory's (GRPO; 0 for SFT)
 
     def extend(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         self.ids += ids

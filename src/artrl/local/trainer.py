@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from artrl.config import LoraConfig, SFTConfig, TrainConfig
 from artrl.local.batch import TrainingBatch
-from artrl.local.loss import LossSettings, policy_loss, sft_loss
+from artrl.local.loss import LossTerms, policy_loss, sft_loss
 from artrl.local.pack import MicroBatch, collate, pack
 from artrl.local.rows import Row
 
@@ -84,6 +85,60 @@ def token_logprobs(
     return full_lp, full_entropy
 
 
+def _normaliser(rows: list[Row]) -> float:
+    """N: the weighted count of trained target tokens of one optimizer step (targets are positions 1..)."""
+    return sum(r.weight * (r.trainable_tokens - r.mask[0]) for r in rows)
+
+
+@dataclass
+class GRPOTotals:
+    """Sums over one `Trainer.step` call, weighted by token weight (mask x row weight)."""
+
+    loss: float = 0.0
+    clipped: float = 0.0
+    kl: float = 0.0
+    ratio: float = 0.0
+    entropy: float = 0.0
+    weight: float = 0.0
+    # the train/inference mismatch monitor: trainer vs engine logprobs, before this call changed the weights
+    mismatch: float = 0.0
+    mismatch_max: float = 0.0
+    mismatch_over: float = 0.0
+    known: float = 0.0
+    grad_norm: float = 0.0
+    optimizer_steps: int = 0
+
+    def add(self, terms: LossTerms, entropy: torch.Tensor, mb: MicroBatch, before_any_update: bool) -> None:
+        token_weight = mb.mask * mb.weights[:, None]  # (B, T-1)
+        self.loss += float(terms.loss.detach())
+        self.clipped += terms.clipped_tokens
+        self.kl += terms.kl
+        self.ratio += terms.ratio
+        self.entropy += float((entropy * token_weight).sum())
+        self.weight += float(token_weight.sum())
+        if before_any_update:
+            self.mismatch += terms.mismatch
+            self.mismatch_max = max(self.mismatch_max, terms.mismatch_max)
+            self.mismatch_over += terms.mismatch_over
+            self.known += terms.known
+
+    def metrics(self, seconds: float) -> dict[str, float]:
+        weight, known = self.weight or 1.0, self.known or 1.0
+        return {
+            "loss": self.loss,
+            "clip_fraction": self.clipped / weight,
+            "kl": self.kl / weight,
+            "ratio_mean": self.ratio / weight,
+            "logprob_mismatch_mean": self.mismatch / known,
+            "logprob_mismatch_max": self.mismatch_max,
+            "logprob_mismatch_fraction": self.mismatch_over / known,
+            "entropy": self.entropy / weight,
+            "grad_norm": self.grad_norm,
+            "optimizer_steps": self.optimizer_steps,
+            "train_seconds": seconds,
+        }
+
+
 class Trainer:
     def __init__(self, model: Any, pad_id: int) -> None:
         self.model = model
@@ -98,129 +153,87 @@ class Trainer:
         self.device = next(model.parameters()).device
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
-        """GRPO: one optimizer step per `steps_per_call` slice of the rows; returns metrics."""
+        """GRPO: rows (with their advantages) → micro-batches → logprobs → loss → backward, then clip and
+        step; one optimizer step per `steps_per_call` slice of the rows. Returns the step's metrics."""
         started = time.perf_counter()
         if config.kl_coef > 0 and not self.has_adapter:
             raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
-        settings = LossSettings(
-            config.loss,
-            config.clip_low,
-            config.clip_high,
-            config.tis_cap,
-            config.kl_coef,
-            config.mismatch_threshold,
-        )
-        advantage = dict(zip(map(id, batch.rows), batch.advantages, strict=True))
-
-        def loss_fn(lp, mb, normaliser, totals):
-            lp_ref = None
-            if settings.kl_coef > 0:
-                with torch.no_grad(), self.model.disable_adapter():
-                    lp_ref, _ = token_logprobs(self.model, mb, config.logprob_chunk_size, with_entropy=False)
-            terms = policy_loss(
-                lp, mb.behaviour, mb.advantages, mb.mask, mb.weights, normaliser, settings, lp_ref
-            )
-            totals["clipped"] += terms.clipped_tokens
-            totals["kl"] += terms.kl
-            totals["ratio"] += terms.ratio
-            if totals["optimizer_steps"] == 0:  # the monitor: before this call changed the weights
-                totals["mismatch"] += terms.mismatch
-                totals["mismatch_max"] = max(totals["mismatch_max"], terms.mismatch_max)
-                totals["mismatch_over"] += terms.mismatch_over
-                totals["known"] += terms.known
-            return terms.loss
-
-        order = list(range(len(batch.rows)))
-        slices = [
-            [batch.rows[i] for i in order[k :: config.steps_per_call]] for k in range(config.steps_per_call)
-        ]
-        totals = self._run(slices, lambda row: advantage[id(row)], config, loss_fn)
-        weight = totals["weight"] or 1.0
-        return {
-            "loss": totals["loss"],
-            "clip_fraction": totals["clipped"] / weight,
-            "kl": totals["kl"] / weight,
-            "ratio_mean": totals["ratio"] / weight,
-            # the monitor of train/inference mismatch: trainer vs engine logprobs of the sampled tokens
-            "logprob_mismatch_mean": totals["mismatch"] / (totals["known"] or 1.0),
-            "logprob_mismatch_max": totals["mismatch_max"],
-            "logprob_mismatch_fraction": totals["mismatch_over"] / (totals["known"] or 1.0),
-            "entropy": totals["entropy"] / weight,
-            "grad_norm": totals["grad_norm"],
-            "optimizer_steps": totals["optimizer_steps"],
-            "train_seconds": time.perf_counter() - started,
-        }
+        slices = [batch.rows[k :: config.steps_per_call] for k in range(config.steps_per_call)]
+        total = GRPOTotals()
+        self._begin(config)
+        try:
+            for rows in filter(None, slices):
+                normaliser = _normaliser(rows)
+                for micro in pack(rows, config.max_tokens_per_microbatch):
+                    mb = collate([rows[i] for i in micro], self.device, self.pad_id)
+                    lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
+                    lp_ref = self._reference_logprobs(mb, config) if config.kl_coef > 0 else None
+                    terms = policy_loss(
+                        lp, mb.behaviour, mb.advantages, mb.mask, mb.weights, normaliser, config, lp_ref
+                    )
+                    terms.loss.backward()
+                    total.add(terms, entropy, mb, before_any_update=total.optimizer_steps == 0)
+                total.grad_norm = self._optimizer_step(config.max_grad_norm)
+                total.optimizer_steps += 1
+        finally:
+            self._end()
+        return total.metrics(time.perf_counter() - started)
 
     def sft(self, steps: list[list[Row]], config: SFTConfig) -> dict[str, float]:
-        """Supervised fine-tuning: one optimizer step per list of rows; returns metrics."""
+        """Supervised fine-tuning: one optimizer step per list of rows, the token-mean NLL of the trained
+        tokens. Returns the call's metrics."""
         started = time.perf_counter()
-
-        def loss_fn(lp, mb, normaliser, totals):
-            return sft_loss(lp, mb.mask, mb.weights, normaliser)
-
-        totals = self._run(steps, lambda row: 0.0, config, loss_fn)
-        steps_done = totals["optimizer_steps"] or 1
+        loss = entropy_sum = weight = grad_norm = 0.0
+        done = 0
+        self._begin(config)
+        try:
+            for rows in filter(None, steps):
+                normaliser = _normaliser(rows)
+                step_loss = 0.0
+                for micro in pack(rows, config.max_tokens_per_microbatch):
+                    mb = collate([rows[i] for i in micro], self.device, self.pad_id)
+                    lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
+                    micro_loss = sft_loss(lp, mb.mask, mb.weights, normaliser)
+                    micro_loss.backward()
+                    token_weight = mb.mask * mb.weights[:, None]  # (B, T-1)
+                    step_loss += float(micro_loss.detach())
+                    entropy_sum += float((entropy * token_weight).sum())
+                    weight += float(token_weight.sum())
+                grad_norm = self._optimizer_step(config.max_grad_norm)
+                loss += step_loss
+                done += 1
+        finally:
+            self._end()
         return {
-            "loss": totals["loss"] / steps_done,  # mean over optimizer steps of the token-mean NLL
-            "entropy": totals["entropy"] / (totals["weight"] or 1.0),
-            "grad_norm": totals["grad_norm"],
-            "optimizer_steps": totals["optimizer_steps"],
+            "loss": loss / (done or 1),  # mean over optimizer steps of the token-mean NLL
+            "entropy": entropy_sum / (weight or 1.0),
+            "grad_norm": grad_norm,
+            "optimizer_steps": done,
             "trainable_tokens": sum(r.trainable_tokens for rows in steps for r in rows),
             "train_seconds": time.perf_counter() - started,
         }
 
-    def _run(
-        self, steps: list[list[Row]], advantage_of, config: TrainConfig | SFTConfig, loss_fn
-    ) -> dict[str, float]:
-        """Optimizer steps over `steps` (each a list of rows); call it on the engine thread."""
+    # ---------------------------------------------------------------- the pieces of both loops
+    def _begin(self, config: TrainConfig | SFTConfig) -> None:
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
-        totals = dict.fromkeys(
-            [
-                "loss",
-                "clipped",
-                "kl",
-                "ratio",
-                "mismatch",
-                "mismatch_max",
-                "mismatch_over",
-                "known",
-                "entropy",
-                "weight",
-                "grad_norm",
-            ],
-            0.0,
-        )
-        totals["optimizer_steps"] = 0
         self.model.train()
-        try:
-            for rows in steps:
-                if rows:
-                    self._optimizer_step(rows, advantage_of, config, loss_fn, totals)
-        finally:
-            self.model.eval()
-            self.optimizer.zero_grad(set_to_none=True)
-        return totals
 
-    def _optimizer_step(
-        self, rows: list[Row], advantage_of, config, loss_fn, totals: dict[str, float]
-    ) -> None:
-        normaliser = sum(r.weight * (r.trainable_tokens - r.mask[0]) for r in rows)  # targets = positions 1..
-        for micro in pack(rows, config.max_tokens_per_microbatch):
-            chosen = [rows[i] for i in micro]
-            mb = collate(chosen, [advantage_of(r) for r in chosen], self.device, self.pad_id)
-            lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
-            loss = loss_fn(lp, mb, normaliser, totals)
-            loss.backward()
-            token_weight = mb.mask * mb.weights[:, None]  # (B, T-1)
-            totals["loss"] += float(loss.detach())
-            totals["entropy"] += float((entropy * token_weight).sum())
-            totals["weight"] += float(token_weight.sum())
-        max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-        totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
+    def _end(self) -> None:
+        self.model.eval()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _reference_logprobs(self, mb: MicroBatch, config: TrainConfig) -> torch.Tensor:
+        """The base policy's logprobs (the adapter disabled: no second copy of the weights), no grad."""
+        with torch.no_grad(), self.model.disable_adapter():
+            return token_logprobs(self.model, mb, config.logprob_chunk_size, with_entropy=False)[0]
+
+    def _optimizer_step(self, max_grad_norm: float | None) -> float:
+        limit = max_grad_norm if max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, limit))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        totals["optimizer_steps"] += 1
+        return grad_norm
 
     # ---------------------------------------------------------------- persistence
     def save(self, directory: str) -> None:
