@@ -13,6 +13,7 @@ HEAVY = ("torch", "transformers", "peft", "fastapi", "uvicorn", "trl", "artrl.lo
 LAYERS: dict[str, int] = {
     "artrl.trajectory": 0,
     "artrl.config": 0,
+    "artrl.canonical": 0,
     "artrl.storage": 1,
     "artrl.retry": 1,
     "artrl.dataset": 1,

@@ -3,8 +3,8 @@
 Every sampled choice of every record is a node. A node's parent is the choice whose request messages + its
 assistant message form the longest prefix of this request's messages (the latest such choice on a tie), so
 each conversation is a path of nodes from a root (a request continuing nothing recorded) to a leaf.
-Messages are compared like the gateway compares them for continuation: by role, text content (None = ""),
-tool calls (id, name, parsed arguments) and tool_call_id, ignoring other fields and formatting noise.
+Messages are compared exactly as the gateway compares them for continuation (`artrl.canonical`): by role,
+text content, tool calls (id, name, parsed arguments) and tool_call_id, ignoring other fields and noise.
 
 The main conversation is the longest path (most sampled turns; on a tie the one whose last call finished
 latest). Every other leaf's path becomes an additional history. Paths share their common beginning, and the
@@ -13,47 +13,12 @@ shared choices appear in each history; training counts each sampled call once (`
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
+from artrl.canonical import message_key
 from artrl.trajectory import History, MessageOrChoice, Trajectory
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return content if isinstance(content, str) else ""
-
-
-def _arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
-
-
-def canonical_message(message: Any) -> str:
-    """A message as a string that ignores formatting noise (see the module docstring)."""
-    if not isinstance(message, dict):
-        return json.dumps(repr(message))
-    role = "system" if message.get("role") == "developer" else message.get("role")
-    calls = [
-        [
-            c.get("id"),
-            (c.get("function") or {}).get("name"),
-            _arguments((c.get("function") or {}).get("arguments")),
-        ]
-        for c in message.get("tool_calls") or []
-        if isinstance(c, dict)
-    ]
-    out = {"role": role, "content": _text(message.get("content")), "tool_calls": calls}
-    if role == "tool":
-        out["tool_call_id"] = message.get("tool_call_id")
-    return json.dumps(out, sort_keys=True, ensure_ascii=False)
 
 
 class _Node:
@@ -88,13 +53,13 @@ def _nodes(records: list[dict[str, Any]]) -> list[_Node]:
     nodes: list[_Node] = []
     for i, record in enumerate(records):
         messages = list(record.get("messages") or [])
-        request = tuple(canonical_message(m) for m in messages)
+        request = tuple(message_key(m) for m in messages)
         parent = next(
             (by_key[request[:n]] for n in range(len(request), 0, -1) if request[:n] in by_key), None
         )
         for raw in record.get("choices") or []:
             choice = _choice(raw)
-            key = (*request, canonical_message(raw.get("message")))
+            key = (*request, message_key(raw.get("message")))
             node = _Node(i, choice, messages, record.get("tools"), key)
             node.parent = parent
             if parent is not None:

@@ -1,4 +1,5 @@
-"""Checking and normalising chat messages, and the canonical form used to recognise a conversation.
+"""Checking and normalising chat messages (their canonical form for recognising a conversation is
+`artrl.canonical`, shared with capture).
 
 Normalised messages are plain dicts that chat templates understand: string `content`, OpenAI-shaped
 `tool_calls` with string `arguments`, `tool_call_id` on tool results.
@@ -6,7 +7,6 @@ Normalised messages are plain dicts that chat templates understand: string `cont
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -136,33 +136,3 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
             open_calls.discard(call_id)
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(m.get("content"), where)})
     return out
-
-
-def _canonical_arguments(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-
-
-def canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with formatting noise removed: None/"" content, argument JSON spacing and key order. Reasoning
-    is left out: clients may or may not send it back, and the gateway fills in its own (see prompts.py)."""
-    out = []
-    for m in messages:
-        c = {"role": m["role"], "content": m.get("content") or ""}
-        if m.get("tool_calls"):
-            c["tool_calls"] = [
-                [t["id"], t["function"]["name"], _canonical_arguments(t["function"]["arguments"])]
-                for t in m["tool_calls"]
-            ]
-        if m["role"] == "tool":
-            c["tool_call_id"] = m["tool_call_id"]
-        out.append(c)
-    return out
-
-
-def conversation_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    """Identifies (history including its last assistant turn, tools) across requests."""
-    blob = json.dumps([canonical(messages), tools or []], sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()

@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from artrl.canonical import conversation_key
 from artrl.local.chat_format import ChatFormat, TemplateRenderError
-from artrl.local.gateway.messages import conversation_key
 from artrl.local.gateway.protocol import RequestError
 
 
