@@ -99,3 +99,28 @@ class InstantEngine:
 
     async def close(self) -> None:
         return None
+
+
+def instrumented_model(inner, on_forward):
+    """A real model behind a hook that sees every forward's input first: the hook may record it, or raise the
+    way an out-of-memory or a kernel error would (a fake of a failing or counted model, not a mock: the rest
+    is the real computation). An nn.Module, so an engine can inspect it like any model."""
+    import torch
+
+    class Instrumented(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep, cache=None):
+            on_forward(input_ids, position_ids)
+            return self.inner(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                cache=cache,
+            )
+
+    return Instrumented()

@@ -7,7 +7,6 @@ import asyncio
 
 import httpx
 import pytest
-import torch
 
 from artrl.config import EngineConfig, GatewayConfig
 from artrl.local.engine_hf import HFEngine
@@ -85,31 +84,17 @@ async def test_requests_beyond_the_in_flight_limit_get_a_429(slow):
         ).status_code == 200
 
 
-class CountingModel(torch.nn.Module):
-    """The real tiny model, counting the rows and columns of each prefill (a fake, not a mock)."""
-
-    def __init__(self, inner) -> None:
-        super().__init__()
-        self.inner = inner
-        self.prefills: list[tuple[int, int]] = []
-
-    def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep, cache=None):
-        if input_ids.shape[1] > 1:
-            self.prefills.append(tuple(input_ids.shape))
-        return self.inner(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            cache=cache,
-        )
-
-
 async def test_a_prefill_holds_at_most_its_token_budget(tiny_model_dir):
+    from fakes import instrumented_model
     from transformers import AutoModelForCausalLM
 
-    model = CountingModel(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    prefills: list[tuple[int, int]] = []  # (rows, columns) of each prefill
+
+    def count(input_ids, position_ids) -> None:
+        if input_ids.shape[1] > 1:
+            prefills.append(tuple(input_ids.shape))
+
+    model = instrumented_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), count)
     engine = HFEngine(model, max_context=2048, max_prefill_tokens=250)
     try:
         params = SamplingParams(max_tokens=2, temperature=0.0)
@@ -119,5 +104,5 @@ async def test_a_prefill_holds_at_most_its_token_budget(tiny_model_dir):
             assert len([c async for c in stream]) == 2
     finally:
         await engine.close()
-    assert all(rows * width <= 250 or rows == 1 for rows, width in model.prefills), model.prefills
-    assert sum(rows for rows, _ in model.prefills) == 7
+    assert all(rows * width <= 250 or rows == 1 for rows, width in prefills), prefills
+    assert sum(rows for rows, _ in prefills) == 7

@@ -19,27 +19,12 @@ FAIL_AT = (
 )
 
 
-class FaultyModel(torch.nn.Module):
-    """The real tiny model, except that it fails the way an out-of-memory or a kernel error would, for one
-    input only (a fake of a failing model, not a mock: everything else is computed for real)."""
-
-    def __init__(self, inner) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, input_ids, attention_mask, position_ids, use_cache, logits_to_keep, cache=None):
-        if input_ids.shape[1] > 1 and bool((input_ids == POISON).any()):
-            raise RuntimeError("simulated out of memory in prefill")
-        if input_ids.shape[1] == 1 and bool((position_ids == FAIL_AT).any()):
-            raise RuntimeError("simulated kernel failure in decode")
-        return self.inner(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            cache=cache,
-        )
+def faults(input_ids, position_ids) -> None:
+    """Fails the way an out-of-memory or a kernel error would, for one input only."""
+    if input_ids.shape[1] > 1 and bool((input_ids == POISON).any()):
+        raise RuntimeError("simulated out of memory in prefill")
+    if input_ids.shape[1] == 1 and bool((position_ids == FAIL_AT).any()):
+        raise RuntimeError("simulated kernel failure in decode")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +44,9 @@ PROMPTS = [[5, 17, 300, 42], list(range(100, 130))]
 
 async def test_a_failing_prefill_or_decode_fails_only_its_sequence(hf_model):
     healthy = HFEngine(hf_model, max_context=2048)
-    faulty = HFEngine(FaultyModel(hf_model), max_context=2048)
+    from fakes import instrumented_model
+
+    faulty = HFEngine(instrumented_model(hf_model, faults), max_context=2048)
     try:
         alone = [await tokens(healthy.generate(p, GREEDY, 1)[0]) for p in PROMPTS]
         streams = [faulty.generate(p, GREEDY, 1)[0] for p in PROMPTS]

@@ -91,3 +91,15 @@ def test_the_same_text_with_other_token_ids_is_not_continued(tokenizer, chat_for
     assert builder.build(follow_up, None).source == "continuation"
     builder.remember([USER], None, None, assistant, first.ids, spelled)
     assert builder.build(follow_up, None).source == "rendered"
+
+
+def test_a_turn_ended_by_another_stop_token_is_closed_by_the_template(tokenizer, chat_format):
+    """Qwen models may end a turn with <|endoftext|> (a stop token) where the template writes <|im_end|>: the
+    sampled ids stay as they are and the template's closing follows them as prompt."""
+    builder = PromptBuilder(chat_format, CompletionStore(10))
+    first, sampled, second = continued(builder, tokenizer, sampled_text="hello<|endoftext|>")
+    tail = tokenizer(
+        "<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    assert second.source == "continuation"
+    assert second.ids == first.ids + sampled + tail["input_ids"]

@@ -289,8 +289,9 @@ class ChatFormat:
                 return spacing + rest  # the template closes the turn with the token the model sampled
             if not spacing and rest.startswith(stop):
                 return rest[len(stop) :]  # the next role's marker ends the turn (GLM): it was sampled already
-            return None
-        for stop in stops:  # cut short (length, a stop string): close the turn as the template does
+        # cut short (length, a stop string), or ended by a stop token the template does not write (Qwen's
+        # <|endoftext|>): the turn is closed as the template closes it, those tokens being prompt
+        for stop in stops:
             if body.endswith(stop):
                 return stop + spacing + rest
         if not spacing and any(rest.startswith(stop) for stop in stops):
