@@ -34,7 +34,7 @@ import artrl
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from bench_concurrency import write_section  # noqa: E402
+from harness import write_section  # noqa: E402
 
 SECTION_HEADING = "## Capture overhead (bench_capture.py)"
 MODES = ("plain", "header", "base_url")

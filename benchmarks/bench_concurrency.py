@@ -31,10 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -44,8 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import HERE, command_line, ensure_model, machine_info, write_section
+
 SECTION_HEADING = "## Gateway concurrency (bench_concurrency.py)"
 TARGET_RATIO = 4.0
 TARGET_AGENTS = 32
@@ -63,58 +61,6 @@ MAX_SEED_TRIES = 50
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        nproc = len(os.sched_getaffinity(0))
-    except AttributeError:
-        nproc = os.cpu_count() or 0
-    return {
-        "nproc": nproc,
-        "cpu": cpu,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-    }
-
-
-def command_line() -> str:
-    exe = Path(sys.executable)
-    try:
-        exe_text = os.path.relpath(exe, Path.cwd()) if exe.is_relative_to(Path.cwd()) else str(exe)
-    except ValueError:
-        exe_text = str(exe)
-    return shlex.join([exe_text, *sys.argv])
-
-
-def ensure_model(preset: str, cache: Path) -> Path:
-    """Build the preset model folder once; reuse it when it was built from the same config."""
-    from artrl.config import TINY_MODEL_PRESETS
-    from artrl.local.tiny_model import build_tiny_model
-
-    folder = cache / preset
-    marker = folder / "artrl_tiny_model.json"
-    wanted = TINY_MODEL_PRESETS[preset].model_dump()
-    if marker.exists() and (folder / "config.json").exists():
-        try:
-            if json.loads(marker.read_text()) == wanted:
-                return folder
-        except json.JSONDecodeError:
-            pass
-    print(f"[{preset}] building model into {folder} ...", flush=True)
-    started = time.perf_counter()
-    build_tiny_model(folder, preset)
-    print(f"[{preset}] built in {time.perf_counter() - started:.1f} s", flush=True)
-    return folder
 
 
 # ------------------------------------------------------------------------------------------- the agents
@@ -386,28 +332,6 @@ def section(results: list[PresetResult], args: argparse.Namespace, info: dict[st
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str, heading: str = SECTION_HEADING) -> None:
-    """Replace the section that starts with `heading` (up to the next `## ` heading), or append it."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# Benchmarks\n\n" + text)
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
-    if start is None:
-        existing = "".join(lines)
-        if existing and not existing.endswith("\n"):
-            existing += "\n"
-        if existing and not existing.endswith("\n\n"):
-            existing += "\n"
-        path.write_text(existing + text)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    after = "".join(lines[end:])
-    body = text if not after else text.rstrip("\n") + "\n\n"
-    path.write_text("".join(lines[:start]) + body + after)
-
-
 # ------------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     def ints(text: str) -> list[int]:
@@ -494,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
     print(target_line(results).replace("**", ""))
     print(f"wall time: {wall:.0f} s")
-    write_section(args.out, section(results, args, info, wall))
+    write_section(args.out, section(results, args, info, wall), SECTION_HEADING)
     print(f"wrote section {SECTION_HEADING!r} of {args.out}")
     return 0
 

@@ -31,15 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_concurrency import (
-    REPO,
-    Workload,
-    command_line,
-    ensure_model,
-    machine_info,
-    run_concurrent,
-    write_section,
-)
+from bench_concurrency import Workload, run_concurrent
+from harness import REPO, command_line, ensure_model, machine_info, write_section
 
 import artrl
 

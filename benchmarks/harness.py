@@ -1,0 +1,113 @@
+"""What every benchmark here shares: the machine's description, the command line, the models built offline,
+resource readings, and writing one section of benchmarks/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        nproc = len(os.sched_getaffinity(0))
+    except AttributeError:
+        nproc = os.cpu_count() or 0
+    return {
+        "nproc": nproc,
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def command_line() -> str:
+    exe = Path(sys.executable)
+    try:
+        exe_text = os.path.relpath(exe, Path.cwd()) if exe.is_relative_to(Path.cwd()) else str(exe)
+    except ValueError:
+        exe_text = str(exe)
+    return shlex.join([exe_text, *sys.argv])
+
+
+def ensure_model(preset: str, cache: Path) -> Path:
+    """Build the preset model folder once; reuse it when it was built from the same config."""
+    from artrl.config import TINY_MODEL_PRESETS
+    from artrl.local.tiny_model import build_tiny_model
+
+    folder = cache / preset
+    marker = folder / "artrl_tiny_model.json"
+    wanted = TINY_MODEL_PRESETS[preset].model_dump()
+    if marker.exists() and (folder / "config.json").exists():
+        try:
+            if json.loads(marker.read_text()) == wanted:
+                return folder
+        except json.JSONDecodeError:
+            pass
+    print(f"[{preset}] building model into {folder} ...", flush=True)
+    started = time.perf_counter()
+    build_tiny_model(folder, preset)
+    print(f"[{preset}] built in {time.perf_counter() - started:.1f} s", flush=True)
+    return folder
+
+
+def write_section(path: Path, text: str, heading: str) -> None:
+    """Replace the section that starts with `heading` (up to the next `## ` heading), or append it."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# Benchmarks\n\n" + text)
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
+    if start is None:
+        existing = "".join(lines)
+        if existing and not existing.endswith("\n"):
+            existing += "\n"
+        if existing and not existing.endswith("\n\n"):
+            existing += "\n"
+        path.write_text(existing + text)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    after = "".join(lines[end:])
+    body = text if not after else text.rstrip("\n") + "\n\n"
+    path.write_text("".join(lines[:start]) + body + after)
+
+
+def maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds of the whole machine busy, CPU seconds of this process and its children)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    return time.time(), busy, t.user + t.system + t.children_user + t.children_system
+
+
+def foreign_cpu_share(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Fraction of the machine's CPU capacity used by other processes between two snapshots."""
+    wall = after[0] - before[0]
+    foreign = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, foreign / (wall * (os.cpu_count() or 1))) if wall > 0 else 0.0
