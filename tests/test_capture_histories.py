@@ -6,6 +6,7 @@ import pytest
 
 from artrl import Trajectory
 from artrl.capture_histories import trajectory_from_records
+from artrl.config import GatewayConfig
 from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.rows import trajectory_rows
@@ -108,7 +109,7 @@ def test_no_records_is_an_empty_trajectory():
 
 
 def test_capture_store_limits_and_unknown_ids():
-    store = CaptureStore(max_open=2, max_records=1)
+    store = CaptureStore(GatewayConfig(max_open_captures=2, max_capture_records=1))
     a, b = store.open(), store.open()
     with pytest.raises(RequestError, match="2 captures are open") as exc:
         store.open()
@@ -134,7 +135,7 @@ def test_capture_store_limits_and_unknown_ids():
 def test_captures_are_bounded_in_bytes():
     """A capture holds at most max_bytes of records (as JSON), all of them max_total_bytes: a request beyond
     is refused before it generates (before, only the record count was bounded)."""
-    store = CaptureStore(max_bytes=2000, max_total_bytes=3000)
+    store = CaptureStore(GatewayConfig(max_capture_bytes=2000, max_captured_bytes=3000))
     a, b = store.open(), store.open()
     store.add(a, {"messages": "x" * 1900})
     store.check(a)
@@ -148,7 +149,7 @@ def test_captures_are_bounded_in_bytes():
 
 
 def test_closed_captures_expire_after_their_grace():
-    store = CaptureStore(closed_grace_s=0.0)
+    store = CaptureStore(GatewayConfig(capture_close_grace_s=0.0))
     a = store.open()
     store.add(a, {"n": 1})
     store.close(a)
@@ -159,7 +160,7 @@ def test_closed_captures_expire_after_their_grace():
 
 
 def test_idle_captures_expire_to_make_room():
-    store = CaptureStore(max_open=1, idle_expiry_s=0.0)
+    store = CaptureStore(GatewayConfig(max_open_captures=1, capture_idle_expiry_s=0.0))
     old = store.open()
     new = store.open()
     with pytest.raises(RequestError):
@@ -168,7 +169,7 @@ def test_idle_captures_expire_to_make_room():
 
 
 def test_idle_captures_expire_when_another_opens():
-    store = CaptureStore(idle_expiry_s=0.0)
+    store = CaptureStore(GatewayConfig(capture_idle_expiry_s=0.0))
     stale = store.open()
     fresh = store.open()  # the first one idled past the expiry
     assert len(store) == 1

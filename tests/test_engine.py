@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import torch
 
+from artrl.config import EngineConfig
 from artrl.local.engine_hf import HFEngine
 from artrl.local.sampling import SamplingParams, top_p_filter
 
@@ -21,7 +22,7 @@ def hf_model(tiny_model_dir):
 
 @pytest.fixture
 async def engine(hf_model):
-    engine = HFEngine(hf_model, max_context=2048, max_batch_size=16)
+    engine = HFEngine(hf_model, max_context=2048, config=EngineConfig(max_batch_size=16))
     yield engine
     await engine.close()
 
@@ -112,7 +113,7 @@ async def test_stop_token_ends_with_stop(engine):
 
 
 async def test_context_limit_ends_with_length(hf_model):
-    engine = HFEngine(hf_model, max_context=20)
+    engine = HFEngine(hf_model, max_context=20, config=EngineConfig())
     try:
         stream = engine.generate(list(range(10, 25)), SamplingParams(max_tokens=100, temperature=1.0), 1)[0]
         ids = [c.token_id async for c in stream]

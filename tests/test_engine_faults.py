@@ -9,6 +9,7 @@ import openai
 import pytest
 import torch
 
+from artrl.config import EngineConfig
 from artrl.local.engine import EngineError
 from artrl.local.engine_hf import HFEngine
 from artrl.local.sampling import SamplingParams
@@ -43,10 +44,10 @@ PROMPTS = [[5, 17, 300, 42], list(range(100, 130))]
 
 
 async def test_a_failing_prefill_or_decode_fails_only_its_sequence(hf_model):
-    healthy = HFEngine(hf_model, max_context=2048)
+    healthy = HFEngine(hf_model, max_context=2048, config=EngineConfig())
     from fakes import instrumented_model
 
-    faulty = HFEngine(instrumented_model(hf_model, faults), max_context=2048)
+    faulty = HFEngine(instrumented_model(hf_model, faults), max_context=2048, config=EngineConfig())
     try:
         alone = [await tokens(healthy.generate(p, GREEDY, 1)[0]) for p in PROMPTS]
         streams = [faulty.generate(p, GREEDY, 1)[0] for p in PROMPTS]
@@ -108,7 +109,7 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
     from artrl.local.engine import SequenceStream
     from artrl.local.engine_hf import _Job, _Request, _Sequence
 
-    engine = HFEngine(hf_model, max_context=2048)
+    engine = HFEngine(hf_model, max_context=2048, config=EngineConfig())
     release = threading.Event()
     busy = engine.call(release.wait)  # the engine thread is inside a job (a training step, say)
     closing = asyncio.create_task(engine.close())

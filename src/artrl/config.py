@@ -103,6 +103,9 @@ class VLLMConfig(_Frozen):
         "GPU while the trainer uses EngineConfig(device='cuda:0')",
     )
     log_tail_lines: int = Field(default=40, ge=1, description="lines of the server log quoted in errors")
+    stop_grace_s: float = Field(
+        default=20.0, gt=0, description="a server asked to stop gets this long before SIGKILL"
+    )
 
 
 class EngineConfig(_Frozen):
@@ -172,6 +175,16 @@ class GatewayConfig(_Frozen):
         default=256 << 20, ge=1024, description="bytes (as JSON) one capture holds"
     )
     max_captured_bytes: int = Field(default=2 << 30, ge=1024, description="bytes all open captures hold")
+    capture_idle_expiry_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="a capture nobody used for this long is dropped (a client that died)",
+    )
+    capture_close_grace_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="a closed capture's records stay this long (a close reply that was lost)",
+    )
 
     @model_validator(mode="after")
     def _key_beyond_loopback(self) -> GatewayConfig:

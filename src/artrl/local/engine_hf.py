@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from artrl.config import EngineConfig
 from artrl.local.engine import SequenceStream
 from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
@@ -87,20 +88,12 @@ def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 class HFEngine:
     """Continuous-batching generation over a transformers causal LM (optionally wrapped by PEFT)."""
 
-    def __init__(
-        self,
-        model,
-        *,
-        max_context: int,
-        max_batch_size: int = 64,
-        max_prefill_tokens: int = 16384,
-        stream_idle_timeout_s: float | None = None,
-    ) -> None:
-        self._idle_timeout_s = stream_idle_timeout_s
+    def __init__(self, model, *, max_context: int, config: EngineConfig) -> None:
+        self._idle_timeout_s = config.stream_idle_timeout_s
         self.model = model
         self._max_context = max_context
-        self._max_batch_size = max_batch_size
-        self._max_prefill_tokens = max_prefill_tokens  # padded prompt tokens one prefill may hold
+        self._max_batch_size = config.max_batch_size
+        self._max_prefill_tokens = config.max_prefill_tokens  # padded prompt tokens one prefill may hold
         self._incoming: queue.SimpleQueue[_Request | _Job | None] = queue.SimpleQueue()
         self._pending: list[_Request] = []
         self._jobs: list[_Job] = []

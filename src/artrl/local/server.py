@@ -12,10 +12,13 @@ import time
 
 import uvicorn
 
+from artrl.config import GatewayConfig
+
 
 class GatewayServer:
-    def __init__(self, app, host: str, port: int, keep_alive_s: float = 75.0) -> None:
+    def __init__(self, app, config: GatewayConfig) -> None:
         self._app = app
+        host, port, keep_alive_s = config.host, config.port, config.keep_alive_s
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))

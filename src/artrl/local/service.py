@@ -16,7 +16,6 @@ from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
 from artrl.local.engine_vllm import VLLMEngine
 from artrl.local.gateway.app import create_app
-from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.serving import ChatServing
 from artrl.local.loading import (
@@ -75,13 +74,7 @@ class LocalService:
             launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
             engine: Engine = launch.engine(resume_from)
         else:
-            engine = HFEngine(
-                model,
-                max_context=max_context,
-                max_batch_size=engine_config.max_batch_size,
-                max_prefill_tokens=engine_config.max_prefill_tokens,
-                stream_idle_timeout_s=engine_config.stream_idle_timeout_s,
-            )
+            engine = HFEngine(model, max_context=max_context, config=engine_config)
         try:
             service = cls.serve(
                 served_name, model, tokenizer, engine, engine_config, gateway_config, chat_format
@@ -111,19 +104,7 @@ class LocalService:
         serving = ChatServing(
             engine, fmt, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n
         )
-        app = create_app(
-            serving,
-            api_key=gateway_config.api_key,
-            max_request_bytes=gateway_config.max_request_bytes,
-            max_inflight=gateway_config.max_inflight_requests,
-            captures=CaptureStore(
-                gateway_config.max_open_captures,
-                gateway_config.max_capture_records,
-                max_bytes=gateway_config.max_capture_bytes,
-                max_total_bytes=gateway_config.max_captured_bytes,
-            ),
-        )
-        server = GatewayServer(app, gateway_config.host, gateway_config.port, gateway_config.keep_alive_s)
+        server = GatewayServer(create_app(serving, gateway_config), gateway_config)
         server.start(gateway_config.startup_timeout_s)
         return cls(model, tokenizer, fmt, engine, server, max_context=engine.max_context)
 

@@ -42,7 +42,6 @@ while child.poll() is None:
     time.sleep(0.5)
 sys.exit(child.returncode)
 """
-_STOP_GRACE_S = 20.0  # a server asked to stop gets this long before SIGKILL
 
 
 class VLLMStartError(RuntimeError):
@@ -89,7 +88,7 @@ class VLLMServer:
         self.process, self.base_url, self.log_path, self.config = process, base_url, log_path, config
         self.api_key = api_key  # every /v1 request needs it (generation, adapter loading)
         # the group ends with this object, at interpreter exit at the latest
-        self._finalizer = weakref.finalize(self, _end_group, process)
+        self._finalizer = weakref.finalize(self, _end_group, process, config.stop_grace_s + 5)
 
     @classmethod
     def start(
@@ -147,7 +146,7 @@ class VLLMServer:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
             log.flush()
             process = subprocess.Popen(
-                [python, "-c", _WATCHDOG, str(os.getpid()), str(_STOP_GRACE_S), *args],
+                [python, "-c", _WATCHDOG, str(os.getpid()), str(config.stop_grace_s), *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -201,7 +200,7 @@ class VLLMServer:
         self._finalizer()
 
 
-def _end_group(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S + 5) -> None:
+def _end_group(process: subprocess.Popen, grace_s: float) -> None:
     """Ask the watchdog to stop the server (which shuts its engine down in order), then SIGKILL whatever of
     the process group is left after grace_s."""
     pgid = process.pid  # the watchdog leads its own session and process group (start_new_session)

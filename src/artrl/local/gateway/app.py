@@ -20,7 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from artrl.capturing import CAPTURE_HEADER  # the one name of the header clients send
+from artrl.capturing import CAPTURE_HEADER
+from artrl.config import GatewayConfig  # the one name of the header clients send
 from artrl.local.engine import EngineError
 from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.protocol import RequestError, parse_request
@@ -33,16 +34,14 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse(RequestError(message, code=code, status=status).body(), status_code=status)
 
 
-def create_app(
-    serving: ChatServing,
-    *,
-    api_key: str | None = None,
-    max_request_bytes: int = 8 << 20,
-    captures: CaptureStore | None = None,
-    max_inflight: int = 1024,
-) -> FastAPI:
+def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="artrl gateway", docs_url=None, redoc_url=None)
-    store = captures if captures is not None else CaptureStore()
+    store = CaptureStore(config)
+    api_key, max_request_bytes, max_inflight = (
+        config.api_key,
+        config.max_request_bytes,
+        config.max_inflight_requests,
+    )
     # rendering and tokenising a prompt (seconds for a huge one) happen here, one request at a time, never
     # on the event loop that answers every other client
     preparing = app.state.preparing = ThreadPoolExecutor(1, thread_name_prefix="artrl-prepare")

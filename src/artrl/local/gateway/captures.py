@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from artrl.config import GatewayConfig
 from artrl.local.gateway.protocol import RequestError
 
 
@@ -32,17 +33,10 @@ class CaptureStore:
     each, `max_total_bytes` in all (a request beyond is refused with a 413 before generating). A closed
     capture's records stay `closed_grace_s` seconds for a client whose close reply was lost to ask again."""
 
-    def __init__(
-        self,
-        max_open: int = 4096,
-        max_records: int = 10_000,
-        idle_expiry_s: float = 3600.0,
-        max_bytes: int = 256 << 20,
-        max_total_bytes: int = 2 << 30,
-        closed_grace_s: float = 120.0,
-    ) -> None:
-        self.max_open, self.max_records, self.idle_expiry_s = max_open, max_records, idle_expiry_s
-        self.max_bytes, self.max_total_bytes, self.closed_grace_s = max_bytes, max_total_bytes, closed_grace_s
+    def __init__(self, config: GatewayConfig) -> None:
+        self.max_open, self.max_records = config.max_open_captures, config.max_capture_records
+        self.max_bytes, self.max_total_bytes = config.max_capture_bytes, config.max_captured_bytes
+        self.idle_expiry_s, self.closed_grace_s = config.capture_idle_expiry_s, config.capture_close_grace_s
         self._captures: dict[str, _Capture] = {}
         self._total = 0
         self._lock = threading.Lock()
