@@ -1,6 +1,6 @@
 """Proof of learning: GRPO visibly improves a multi-call tool-using agent, on a laptop-class CPU.
 
-    python examples/train_agent.py [--base-model DIR_OR_HUB_ID] [--seed 0] [--steps N]
+    python examples/train_agent.py [--base-model DIR_OR_HUB_ID] [--seed 0] [--steps N] [--report-to wandb]
 
 1. warm start (cached under --path/models): on the project's tiny model, first a stand-in for pretraining
    (generic tool-reading conversations, `tool_reading.py`; skipped with --base-model), then supervised
@@ -163,7 +163,10 @@ async def main(args: argparse.Namespace) -> dict:
 
         name = f"maze-seed{args.seed}-{int(time.time())}"
         lora = artrl.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
-        model = artrl.TrainableModel(name=name, project="maze", base_model=warm, lora=lora)
+        trackers = [t for t in args.report_to.split(",") if t]  # wandb, tensorboard, trackio
+        model = artrl.TrainableModel(
+            name=name, project="maze", base_model=warm, lora=lora, report_to=trackers
+        )
         # the SFT stages above only train (embedded engine); the RL model's rollouts run on --engine
         rl_backend = backend
         if args.engine != "hf":
@@ -240,6 +243,7 @@ async def main(args: argparse.Namespace) -> dict:
     at_target = next((s for s, v, _ in val_points if v - before["success"] >= TARGET_GAIN), None)
     print(f"validation success +{TARGET_GAIN:.2f} first seen at step: {at_target}")
     print(f"curve: {curve}")
+    print(f"dashboard: artrl dashboard {args.path}")
     summary = {
         "steps_to_target": at_target,
         "seed": args.seed,
@@ -269,20 +273,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-size", type=int, default=96)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument(
-        "--pretrain-examples",
-        type=int,
-        default=4096,
-        help="tiny model only: generic tool-reading conversations before the warm start (0: none)",
+        "--pretrain-examples", type=int, default=4096, help="tiny model only: pretraining stand-in (0: none)"
     )
     parser.add_argument("--pretrain-lr", type=float, default=3e-3)
     parser.add_argument("--sft-examples", type=int, default=1024)
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
     parser.add_argument(
-        "--warm-skill",
-        type=float,
-        default=0.3,
-        help="how often the warm-start walker goes toward the breeze (otherwise a random direction)",
+        "--warm-skill", type=float, default=0.3, help="how often the warm-start walker follows the breeze"
     )
     parser.add_argument(
         "--engine",
@@ -290,6 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="hf",
         help="rollout engine of the RL stage: embedded, or vLLM (needs `bash scripts/setup_vllm.sh`)",
     )
+    parser.add_argument("--report-to", default="", help="experiment trackers: wandb,tensorboard,trackio")
     parser.add_argument("--path", default=".artrl")
     parser.add_argument("--out", default="demo_output")
     return parser.parse_args(argv)

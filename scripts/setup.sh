@@ -18,6 +18,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' || true
 fi
 echo "installing artrl and its dependencies ..."
-.venv/bin/python -m pip install -q -e ".[local,dev,examples,mcp]" 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -q -e ".[local,dev,examples,mcp,trackers]" 2>&1 | grep -v '^WARNING: Location' || true
 .venv/bin/python -c "import torch, transformers, fastapi, mcp, artrl" # fail loudly if anything is missing
 echo "$want" > "$stamp"

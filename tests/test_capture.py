@@ -77,7 +77,7 @@ async def test_per_capture_base_url_records_any_client(served):
         assert cap.base_url.endswith(f"/capture/{cap.id}/v1")
         plain = openai.AsyncOpenAI(base_url=cap.base_url, api_key="x", max_retries=0)
         models = await plain.models.list()
-        assert [m.id for m in models.data] == ["tiny"]
+        assert [m.id for m in models.data] == ["tiny", "tiny@0"]
         await plain.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "one"}], max_tokens=3
         )

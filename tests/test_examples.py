@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_trackers import expected_metrics, tensorboard_metrics, tracker_env, trackio_metrics, wandb_runs
+
+from artrl.storage import read_history
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -83,10 +87,11 @@ def test_tool_agent_demo(tmp_path):
     assert "token-exact continuations" in out and "rollout 1" in out
 
 
-def run_train_agent(*args: str, timeout: float) -> str:
+def run_train_agent(*args: str, timeout: float, env: dict[str, str] | None = None) -> str:
     """The script's stdout and stderr (where the progress bars go)."""
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_agent.py"), *args],
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -99,11 +104,13 @@ def run_train_agent(*args: str, timeout: float) -> str:
 def test_train_agent_learns_the_maze(tmp_path):
     """The demo, shortened: pretraining stand-in + weak warm start + 16 GRPO steps on a LoRA. Validation
     success on unseen mazes must rise far beyond noise (48 mazes: one standard error is <= 0.07). At 12 steps
-    the gain was +0.23..+0.35 over 6 runs (batch timing changes the sampled tokens): too close to the bar."""
-    out = tmp_path / "out"
+    the gain was +0.23..+0.35 over 6 runs (batch timing changes the sampled tokens): too close to the bar.
+    W&B (offline), TensorBoard and trackio each receive the demo's metrics, read back with their own readers."""
+    out, trackers = tmp_path / "out", tmp_path / "trackers"
     stdout = run_train_agent(
         *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16"),
-        *("--val-size", "48", "--eval-every", "8"),
+        *("--val-size", "48", "--eval-every", "8", "--report-to", "tensorboard,wandb,trackio"),
+        env=tracker_env(trackers),  # W&B offline; every tracker's files under tmp_path
         timeout=900,
     )
     summary = json.loads((out / "summary_seed0.json").read_text())
@@ -118,6 +125,15 @@ def test_train_agent_learns_the_maze(tmp_path):
     assert all("logprob_mismatch_max" in h for h in summary["history"])  # the monitor, per step
     assert "before" in stdout and "after" in stdout  # the printed table
     assert "GRPO: 100%" in stdout and "validation: 100%" in stdout  # the live bars (gather's for validation)
+    assert f"artrl dashboard {tmp_path / 'artrl'}" in stdout
+
+    (directory,) = (tmp_path / "artrl" / "maze").glob("maze-seed0-*")  # the GRPO model's folder
+    expected = expected_metrics(read_history(directory))
+    assert sorted(s for tag, s in expected if tag == "train/reward_mean") == list(range(1, 17))
+    assert sorted(s for tag, s in expected if tag == "val/success_mean") == [0, 8, 16]
+    assert tensorboard_metrics(directory / "tensorboard") == pytest.approx(expected, rel=1e-6)
+    assert {k: v for _, metrics in wandb_runs(directory) for k, v in metrics.items()} == expected
+    assert trackio_metrics(trackers / "trackio", "maze", directory.name) == expected
 
 
 @pytest.mark.slow

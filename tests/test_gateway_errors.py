@@ -441,7 +441,7 @@ async def test_api_key_is_required_on_v1_routes_only(tokenizer):
             headers = {"Authorization": "Bearer sekret"}
             models = await client.get(f"{base_url}/models", headers=headers)
             assert models.status_code == 200
-            assert [m["id"] for m in models.json()["data"]] == ["keyed"]
+            assert [m["id"] for m in models.json()["data"]] == ["keyed", "keyed@0"]
             response = await client.post(url, json=body, headers=headers)
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["token_ids"] == script[:2]

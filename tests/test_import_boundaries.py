@@ -7,7 +7,10 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).parent.parent / "src"
-HEAVY = ("torch", "transformers", "peft", "fastapi", "uvicorn", "trl", "artrl.local")
+HEAVY = (
+    *("torch", "transformers", "peft", "fastapi", "uvicorn", "trl", "artrl.local"),
+    *("wandb", "tensorboard", "trackio"),  # experiment trackers: imported only when a model reports to them
+)
 
 # layer of each module (a package's modules share its layer unless listed); imports may only point down
 LAYERS: dict[str, int] = {
@@ -24,6 +27,9 @@ LAYERS: dict[str, int] = {
     "artrl.rewards": 1,
     "artrl.mcp_tools": 1,
     "artrl.langchain_model": 1,
+    "artrl.retention": 1,
+    "artrl.trackers": 1,
+    "artrl.history_table": 1,
     "artrl.local.chat_template": 2,
     "artrl.local.sampling": 2,
     "artrl.local.engine": 2,
@@ -32,6 +38,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.pack": 2,
     "artrl.local.chat_format": 2,
     "artrl.local.rows": 2,
+    "artrl.local.run_folder": 2,  # a saved run read back (model.json, checkpoints): stdlib + storage
     "artrl.local.loading": 3,
     "artrl.local.tiny_model": 3,
     "artrl.local.batch": 3,
@@ -42,11 +49,15 @@ LAYERS: dict[str, int] = {
     "artrl.local.server": 3,
     "artrl.local.gateway": 3,
     "artrl.local.family_models": 3,
+    "artrl.local.hf_export": 3,
     "artrl.local.template_check": 4,
     "artrl.local.service": 4,
+    "artrl.local.checkpoints": 4,
+    "artrl.local.serve_run": 4,
     "artrl.local.backend": 5,
     "artrl.tiny": 5,
     "artrl.cli": 5,
+    "artrl.local.dashboard": 5,  # a local web app over run folders (fastapi, uvicorn, a tokenizer)
     "artrl": 6,  # the package's __init__: re-exports
 }
 

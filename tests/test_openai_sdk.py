@@ -125,7 +125,7 @@ async def test_models_and_health(served):
     async with httpx.AsyncClient(timeout=10) as http:
         base = served.inference_base_url
         models = (await http.get(f"{base}/models")).json()
-        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert [m["id"] for m in models["data"]] == ["tiny", "tiny@0"]  # the name, and the step it serves
         health = await http.get(base.removesuffix("/v1") + "/health")
         assert health.json() == {"status": "ok"}
 

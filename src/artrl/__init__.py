@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 from artrl import rewards
 from artrl.capturing import Capture, CaptureError, capture
 from artrl.config import (
+    CheckpointRetention,
     ClientConfig,
+    DashboardConfig,
     EngineConfig,
     GatewayConfig,
     LoraConfig,
@@ -32,7 +34,9 @@ __all__ = [
     "Capture",
     "CaptureError",
     "CheckpointError",
+    "CheckpointRetention",
     "ClientConfig",
+    "DashboardConfig",
     "DatasetBatch",
     "EngineConfig",
     "GatewayConfig",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from pathlib import Path
 
 
 def _tiny_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -52,6 +54,91 @@ def _check_template(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return 0 if report.ok else 1
 
 
+def _history(args: argparse.Namespace) -> int:
+    from artrl.history_table import render
+
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    print(render(Path(args.path), args.split, metrics))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from artrl.local.hf_export import export_step, merge_step
+    from artrl.local.run_folder import open_run
+
+    run = open_run(args.run_dir)
+    step, out = (merge_step if args.command == "merge" else export_step)(run, args.out, args.step)
+    what = "merged model" if args.command == "merge" else "adapter" if run.is_lora else "full model"
+    print(f"wrote step {step} of {run.project}/{run.name} to {out} ({what} + tokenizer)")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from artrl.config import GatewayConfig
+    from artrl.local.run_folder import open_run
+    from artrl.local.serve_run import serve_run
+
+    gateway = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key)
+    serve_run(open_run(args.run_dir), args.step, gateway, say=lambda line: print(line, flush=True))
+    return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from artrl.config import DashboardConfig
+    from artrl.local.dashboard import serve_dashboard
+
+    if not Path(args.path).is_dir():
+        raise ValueError(f"{args.path} is not a folder; give the root of your runs (LocalBackend's path)")
+    config = DashboardConfig(host=args.host, port=args.port)
+    with contextlib.suppress(KeyboardInterrupt):
+        serve_dashboard(args.path, config)
+    return 0
+
+
+def _one_line(exc: Exception) -> str:
+    """A pydantic error's messages, or any error's text, on one line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        return "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in errors())
+    return " ".join(str(exc).split())
+
+
+def _add_run_commands(commands) -> None:
+    history = commands.add_parser(
+        "history", help="a run's history.jsonl as a table (or every run under PATH)"
+    )
+    history.add_argument("path", help="a run folder ({root}/{project}/{model}) or a root holding several")
+    history.add_argument("--split", default=None, help="only the rows of this split (train, sft, val...)")
+    history.add_argument("--metrics", default=None, help="comma-separated metric names to show")
+    for name, text in (
+        ("export", "a step as a Hugging Face folder: the PEFT adapter (or full weights) + tokenizer"),
+        ("merge", "a LoRA step merged into its base: a full Hugging Face model folder + tokenizer"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("run_dir", help="a run folder ({root}/{project}/{model})")
+        command.add_argument("out", help="the output folder (new, or empty)")
+        command.add_argument("--step", type=int, default=None, help="the checkpoint (default: the latest)")
+    serve = commands.add_parser("serve", help="the OpenAI-compatible gateway on a saved step, until Ctrl-C")
+    serve.add_argument("run_dir", help="a run folder ({root}/{project}/{model})")
+    serve.add_argument("--step", type=int, default=None, help="the checkpoint (default: the latest)")
+    serve.add_argument("--host", default="127.0.0.1", help="another host than loopback needs --api-key")
+    serve.add_argument("--port", type=int, default=0, help="0 (default) = a free port, printed at start")
+    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    dashboard = commands.add_parser("dashboard", help="a local web page over the runs under PATH")
+    dashboard.add_argument("path", nargs="?", default=".artrl", help="the root of the runs (default .artrl)")
+    dashboard.add_argument("--host", default="127.0.0.1")
+    dashboard.add_argument("--port", type=int, default=8765)
+
+
+_RUN_COMMANDS = {
+    "history": _history,
+    "export": _export,
+    "merge": _export,
+    "serve": _serve,
+    "dashboard": _dashboard,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="artrl", description="artrl: RL for multi-turn tool-using agents")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,10 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--chat-format", default=None, help="a family name instead of detecting it")
     check.add_argument("--kwargs", default=None, help="chat_template_kwargs as JSON")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_run_commands(commands)
     args = parser.parse_args(argv)
     if args.command == "tiny-model":
         return _tiny_model(parser, args)
-    return _check_template(parser, args)
+    if args.command == "check-template":
+        return _check_template(parser, args)
+    try:  # bad input: one line saying what was wrong and what to do, exit code 2, never a traceback
+        return _RUN_COMMANDS[args.command](args)
+    except (ValueError, OSError) as exc:
+        print(f"artrl {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

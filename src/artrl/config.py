@@ -275,6 +275,11 @@ class TrainConfig(_Frozen):
         default_factory=dict,
         description="template variables for rendering turns without recorded ids (e.g. enable_thinking)",
     )
+    save_rows: bool = Field(
+        default=True,
+        description="write what the step trained, token by token (trajectories/train/NNNN.rows.jsonl.gz, "
+        "shown by `artrl dashboard`): about 4 bytes per token gzipped",
+    )
 
 
 class SFTConfig(_Frozen):
@@ -296,3 +301,36 @@ class SFTConfig(_Frozen):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="template variables for rendering the turns (e.g. enable_thinking)"
     )
+
+
+TrackerName = Literal["wandb", "tensorboard", "trackio"]
+
+
+class CheckpointRetention(_Frozen):
+    """Which checkpoints a model keeps: `TrainableModel(retention=...)` applies it after every step, and
+    `model.delete_checkpoints(...)` once. The latest checkpoint is always kept (training resumes from it)."""
+
+    keep_last: int | None = Field(default=None, ge=1, description="the newest N checkpoints")
+    keep_best: str | None = Field(
+        default=None,
+        description="'split/metric' of history.jsonl, e.g. 'val/reward_mean': the checkpoint whose step has the "
+        "best value of that metric is kept as well",
+    )
+    best_mode: Literal["max", "min"] = Field(default="max", description="whether higher or lower is better")
+
+    @model_validator(mode="after")
+    def _metric_form(self) -> CheckpointRetention:
+        if self.keep_best is not None and self.keep_best.count("/") != 1:
+            raise ValueError(
+                f"keep_best={self.keep_best!r}: name a metric as 'split/metric', e.g. 'val/reward_mean'"
+            )
+        return self
+
+
+class DashboardConfig(_Frozen):
+    """`artrl dashboard PATH`: a local web page over the runs under PATH."""
+
+    host: str = Field(default="127.0.0.1", description="loopback by default: the page shows trajectories")
+    port: int = Field(default=8765, ge=0, le=65535)
+    poll_interval_s: float = Field(default=3.0, gt=0, description="how often the page refreshes a live run")
+    max_tokens_shown: int = Field(default=20_000, ge=1, description="tokens of one row sent to the page")

@@ -5,11 +5,18 @@ from __future__ import annotations
 import asyncio
 import re
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from artrl.config import ClientConfig, LoraConfig, SFTConfig, TrainConfig
+from artrl.config import (
+    CheckpointRetention,
+    ClientConfig,
+    LoraConfig,
+    SFTConfig,
+    TrackerName,
+    TrainConfig,
+)
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -43,6 +50,10 @@ class Backend(Protocol):
         """Write the current weights (and tokenizer) as a Hugging Face folder."""
         ...
 
+    async def delete_checkpoints(self, model: TrainableModel, retention: CheckpointRetention) -> list[int]:
+        """Delete the checkpoints `retention` does not keep (never the latest); return the deleted steps."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -65,6 +76,14 @@ class TrainableModel(BaseModel):
         default=None,
         description="the model family's chat format (hermes, qwen3, qwen3_5, llama3_json, gpt_oss, glm4_moe, "
         "plain); None = detected from the tokenizer's chat template (`artrl check-template` shows which)",
+    )
+    report_to: tuple[TrackerName, ...] = Field(
+        default=(),
+        description="experiment trackers that receive every history row: 'wandb' (WANDB_MODE=offline works), "
+        "'tensorboard', 'trackio' (each an optional install: pip install 'artrl[trackers]')",
+    )
+    retention: CheckpointRetention | None = Field(
+        default=None, description="checkpoints kept after every step; None = all of them"
     )
 
     _backend: Backend | None = PrivateAttr(default=None)
@@ -181,6 +200,17 @@ class TrainableModel(BaseModel):
     async def export(self, directory: str) -> None:
         """Save the current weights + tokenizer as a Hugging Face folder (see LocalBackend.export)."""
         await self._require_backend().export(self, directory)
+
+    async def delete_checkpoints(
+        self,
+        keep_last: int | None = 1,
+        keep_best: str | None = None,
+        best_mode: Literal["max", "min"] = "max",
+    ) -> list[int]:
+        """Delete checkpoints but the newest `keep_last` and the best by `keep_best` ('split/metric' of the
+        history, e.g. 'val/reward_mean'); the latest is always kept. Returns the deleted steps."""
+        retention = CheckpointRetention(keep_last=keep_last, keep_best=keep_best, best_mode=best_mode)
+        return await self._require_backend().delete_checkpoints(self, retention)
 
     async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
         """Record evaluation rollouts (trajectories + a history row at the current step) without training."""

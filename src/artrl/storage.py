@@ -4,6 +4,7 @@
 {root}/{project}/{model}/checkpoints/{step:04d}/
 {root}/{project}/{model}/history.jsonl
 {root}/{project}/{model}/trajectories/{split}/{step:04d}.jsonl
+{root}/{project}/{model}/trajectories/train/{step:04d}.rows.jsonl   what the step trained, token by token
 """
 
 from __future__ import annotations
@@ -47,13 +48,30 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def latest_step(directory: Path) -> int:
-    """The highest complete checkpoint step under `directory/checkpoints` (0 if none)."""
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The complete checkpoints under `directory/checkpoints`, oldest first."""
     checkpoints = directory / "checkpoints"
     if not checkpoints.is_dir():
-        return 0
-    steps = [int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit()]
-    return max(steps, default=0)
+        return []
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def latest_step(directory: Path) -> int:
+    """The highest complete checkpoint step under `directory/checkpoints` (0 if none)."""
+    return max(checkpoint_steps(directory), default=0)
+
+
+def delete_checkpoint(directory: Path, step: int) -> None:
+    """Remove one checkpoint: renamed out of the step names first, so a crash mid-way never leaves a
+    half-deleted folder that looks like a checkpoint."""
+    import shutil
+
+    final = checkpoint_dir(directory, step)
+    doomed = final.parent / f".deleting-{step:04d}"
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(final, doomed)
+    fsync_path(final.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def checkpoint_dir(directory: Path, step: int) -> Path:
@@ -65,6 +83,29 @@ def write_trajectories(directory: Path, split: str, step: int, groups: list[Any]
     path = directory / "trajectories" / split / f"{step:04d}.jsonl"
     atomic_write_bytes(path, "".join(g.model_dump_json() + "\n" for g in groups).encode())
     return path
+
+
+def rows_path(directory: Path, step: int) -> Path:
+    return directory / "trajectories" / "train" / f"{step:04d}.rows.jsonl.gz"
+
+
+def write_step_rows(directory: Path, step: int, records: list[dict[str, Any]]) -> Path:
+    """What a training step trained, one gzipped JSON line per row, written atomically."""
+    import gzip
+
+    path = rows_path(directory, step)
+    body = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+    atomic_write_bytes(path, gzip.compress(body, compresslevel=5, mtime=0))
+    return path
+
+
+def read_step_rows(directory: Path, step: int) -> list[dict[str, Any]]:
+    import gzip
+
+    path = rows_path(directory, step)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line]
 
 
 def append_history(directory: Path, row: dict[str, Any]) -> None:

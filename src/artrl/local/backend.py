@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
-import shutil
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from artrl.config import EngineConfig, GatewayConfig, SFTConfig, TrainConfig, VLLMConfig
+from artrl.config import (
+    CheckpointRetention,
+    EngineConfig,
+    GatewayConfig,
+    SFTConfig,
+    TrainConfig,
+    VLLMConfig,
+)
+from artrl.local.checkpoints import delete_unkept, save_checkpoint, save_tokenizer
 from artrl.model import TrainableModel, TrainResult
 from artrl.storage import (
     append_history,
@@ -20,14 +28,17 @@ from artrl.storage import (
     checkpoint_dir,
     latest_step,
     model_dir,
-    publish_directory,
     repair_history,
+    write_step_rows,
     write_trajectories,
 )
+from artrl.trackers import Trackers, open_trackers
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artrl.local.service import LocalService
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -73,6 +84,7 @@ class LocalBackend:
         self.gateway_config = gateway or GatewayConfig()
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._trackers: dict[tuple[str, str], Trackers] = {}
         # a step whose checkpoint failed to write: (step, history row), written before any further step
         self._unsaved: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
 
@@ -137,6 +149,11 @@ class LocalBackend:
         )
         self._services[key] = service
         self._train_locks[key] = asyncio.Lock()
+        if not (directory / "tokenizer").exists():  # for `artrl dashboard` to show tokens as text
+            await asyncio.to_thread(save_tokenizer, service, directory)
+        self._trackers[key] = await asyncio.to_thread(  # W&B starts a process: seconds
+            open_trackers, model.report_to, directory, model.project, model.name, spec
+        )
         return service.base_url, self.gateway_config.api_key or "artrl"
 
     async def get_step(self, model: TrainableModel) -> int:
@@ -145,7 +162,7 @@ class LocalBackend:
     async def train(
         self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig
     ) -> TrainResult:
-        from artrl.local.batch import build_batch
+        from artrl.local.batch import build_batch, step_record
 
         service = self.service(model)
         directory = self.directory(model)
@@ -169,6 +186,8 @@ class LocalBackend:
             else:
                 metrics["optimizer_steps"] = 0
             metrics["step_seconds"] = time.time() - started
+            if config.save_rows:
+                await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
             await self._complete_step(model, service, directory, step, "train", metrics)
         return TrainResult(step=step, metrics=metrics)
 
@@ -216,7 +235,7 @@ class LocalBackend:
     ) -> None:
         row = {"step": step, "split": split, "time": time.time(), **metrics}
         try:
-            await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
+            await service.run_exclusive(lambda: save_checkpoint(service, directory, step, row))
         except Exception as exc:  # ENOSPC, or torch/safetensors' own errors for a failed write
             self._unsaved[(model.project, model.name)] = (step, row)
             raise CheckpointError(
@@ -224,17 +243,28 @@ class LocalBackend:
                 f"The step is not lost: its weights are in memory and the next train or train_sft call writes "
                 f"checkpoint {step} first (free some space before it)."
             ) from exc
-        await self._publish_step(service, directory, step, row, metrics)
+        await self._publish_step(model, service, directory, step, row, metrics)
 
     async def _publish_step(
-        self, service: LocalService, directory, step: int, row: dict[str, Any], metrics: dict[str, Any]
+        self,
+        model: TrainableModel,
+        service: LocalService,
+        directory,
+        step: int,
+        row: dict[str, Any],
+        metrics: dict[str, Any],
     ) -> None:
         try:  # the engine serves the new weights from the next request on (vLLM: the adapter hot-load)
             started = time.time()
             await service.weights_updated(step, checkpoint_dir(directory, step))
             row["weight_sync_seconds"] = metrics["weight_sync_seconds"] = time.time() - started
         finally:
-            append_history(directory, row)  # the step is saved whether or not the engine took it
+            self._record(model, directory, row)  # the step is saved whether or not the engine took it
+        if model.retention is not None:  # (the caller holds the training lock)
+            try:
+                await delete_unkept(directory, model.retention)
+            except ValueError as exc:  # a keep_best metric the history never had: the step itself is saved
+                log.warning("checkpoint retention skipped after step %d: %s", step, exc)
 
     async def _write_unsaved(self, model: TrainableModel, service: LocalService, directory) -> None:
         """Write the checkpoint of a step whose save failed, before anything else trains (CheckpointError
@@ -244,29 +274,14 @@ class LocalBackend:
             return
         step, row = self._unsaved[key]
         try:
-            await service.run_exclusive(lambda: self._save_checkpoint(service, directory, step, row))
+            await service.run_exclusive(lambda: save_checkpoint(service, directory, step, row))
         except Exception as exc:
             raise CheckpointError(
                 f"step {step}'s checkpoint still cannot be written: {exc}; nothing was trained. Free some space "
                 "and call again."
             ) from exc
         del self._unsaved[key]
-        await self._publish_step(service, directory, step, row, {})
-
-    @staticmethod
-    def _save_checkpoint(service: LocalService, directory, step: int, history_row: dict[str, Any]) -> None:
-        """Weights, optimizer and the step's history row, published together by one rename."""
-        final = checkpoint_dir(directory, step)
-        tmp = final.parent / f".tmp-{step:04d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            service.save_weights(str(tmp))
-            atomic_write_json(tmp / "history_row.json", history_row)
-            publish_directory(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint must not take the space
-            raise
+        await self._publish_step(model, service, directory, step, row, {})
 
     async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:
         """Write the current weights as a Hugging Face folder with the tokenizer: a full model after full
@@ -290,10 +305,26 @@ class LocalBackend:
             values = [float(t.metrics[name]) for g in groups for t in g.trajectories if name in t.metrics]
             metrics[f"{name}_mean"] = sum(values) / len(values)
         write_trajectories(directory, split, step, groups)
-        append_history(directory, {"step": step, "split": split, "time": time.time(), **metrics})
+        self._record(model, directory, {"step": step, "split": split, "time": time.time(), **metrics})
         return metrics
+
+    def _record(self, model: TrainableModel, directory, row: dict[str, Any]) -> None:
+        """A history row: on disk (fsynced) first, then to the model's trackers (which never raise)."""
+        append_history(directory, row)
+        trackers = self._trackers.get((model.project, model.name))
+        if trackers is not None:
+            trackers.log(row)
+
+    async def delete_checkpoints(self, model: TrainableModel, retention: CheckpointRetention) -> list[int]:
+        """Delete the checkpoints `retention` does not keep (never the latest); return their steps."""
+        self.service(model)  # registered with this backend (its training lock guards the folder)
+        async with self._train_locks[(model.project, model.name)]:
+            return await delete_unkept(self.directory(model), retention)
 
     async def close(self) -> None:
         services, self._services = list(self._services.values()), {}
+        trackers, self._trackers = list(self._trackers.values()), {}
         for service in services:
             await service.close()
+        for tracker in trackers:
+            await asyncio.to_thread(tracker.close)

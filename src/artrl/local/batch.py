@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 class TrainingBatch:
     rows: list[Row] = field(default_factory=list)  # each with its trajectory's advantage
     metrics: dict[str, float] = field(default_factory=dict)
+    # for the record of the step (trajectories/train/NNNN.rows.jsonl.gz, read by the dashboard):
+    locations: list[tuple[int, int]] = field(default_factory=list)  # row.trajectory -> (group, index in it)
+    untrained: list[Row] = field(default_factory=list)  # rows of zero-advantage trajectories
+    # filled by Trainer.step: the trainer's logprob of each token of rows[i] (None where not trained), and
+    # whether it was computed before the call's first optimizer step (then it measures the sampler mismatch)
+    trainer_logprobs: list[list[float | None]] = field(default_factory=list)
+    before_update: list[bool] = field(default_factory=list)
 
 
 def check_groups(groups: list[TrajectoryGroup]) -> None:
@@ -48,9 +55,11 @@ def build_batch(
     batch = TrainingBatch()
     skipped_untrainable = skipped_long = 0
     index = 0
-    for group, advantages in zip(usable, computed.advantages, strict=True):
-        for traj, advantage in zip(group.trajectories, advantages, strict=True):
+    usable_at = [g for g, group in enumerate(groups) if len(group.trajectories) >= 2]
+    for g, group, advantages in zip(usable_at, usable, computed.advantages, strict=True):
+        for t, (traj, advantage) in enumerate(zip(group.trajectories, advantages, strict=True)):
             rows = trajectory_rows(traj, index, chat_format, allow_rendered, template_kwargs)
+            batch.locations.append((g, t))
             index += 1
             if not rows:
                 skipped_untrainable += 1
@@ -65,6 +74,8 @@ def build_batch(
                 if advantage != 0.0:
                     row.advantage = advantage
                     batch.rows.append(row)
+                else:
+                    batch.untrained.append(row)
     all_rewards = [r for group in rewards for r in group]
     singletons = len(groups) - len(usable)
     if singletons:
@@ -85,3 +96,36 @@ def build_batch(
         "trainable_tokens": sum(r.trainable_tokens for r in batch.rows),
     }
     return batch
+
+
+def _rounded(values: list[float | None]) -> list[float | None]:
+    return [None if v is None or math.isnan(v) else round(v, 4) for v in values]
+
+
+def step_record(batch: TrainingBatch) -> list[dict[str, Any]]:
+    """What one GRPO step trained, row by row and token by token (JSON-ready): ids, mask, the sampler's and
+    the trainer's logprobs, the advantage and weight; rows of zero-advantage trajectories with trained=False."""
+    records: list[dict[str, Any]] = []
+    seen: dict[int, int] = {}  # rows so far per trajectory
+    trained = [(r, i) for i, r in enumerate(batch.rows)] + [(r, None) for r in batch.untrained]
+    for row, i in trained:
+        group, position = batch.locations[row.trajectory]
+        seen[row.trajectory] = seen.get(row.trajectory, -1) + 1
+        has_trainer = i is not None and i < len(batch.trainer_logprobs) and batch.trainer_logprobs[i]
+        records.append(
+            {
+                "group": group,
+                "trajectory": position,
+                "row": seen[row.trajectory],
+                "trained": i is not None,
+                "advantage": row.advantage,
+                "weight": row.weight,
+                "ids": row.ids,
+                "mask": row.mask,
+                "sampler_logprobs": _rounded(row.logprobs),
+                "trainer_logprobs": _rounded(batch.trainer_logprobs[i]) if has_trainer else None,
+                "before_update": bool(i is not None and has_trainer and batch.before_update[i]),
+            }
+        )
+    records.sort(key=lambda r: (r["group"], r["trajectory"], r["row"]))
+    return records

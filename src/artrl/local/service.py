@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,6 +16,7 @@ from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
 from artrl.local.engine_vllm import VLLMEngine
 from artrl.local.gateway.app import create_app
+from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.serving import ChatServing
 from artrl.local.loading import (
@@ -42,6 +43,12 @@ class LocalService:
     server: GatewayServer
     trainer: Trainer | None = None
     max_context: int = 0
+    names: ServedNames = field(default_factory=lambda: ServedNames([]))
+
+    @property
+    def step(self) -> int:
+        """The step whose weights are served (0: the base model); requests may pin it as `name@step`."""
+        return self.names.step
 
     @property
     def base_url(self) -> str:
@@ -58,17 +65,26 @@ class LocalService:
         resume_from: Path | None = None,
         log_dir: Path | None = None,
         chat_format: str | None = None,
+        trainable: bool = True,
     ) -> LocalService:
-        """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread."""
+        """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread.
+
+        `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state."""
         full_weights = lora is None and resume_from is not None
         model, tokenizer = load_model_and_tokenizer(
             base_model, engine_config, str(resume_from) if full_weights else None
         )
-        model = attach_adapter(model, lora)
+        trainer = None
+        if trainable:
+            model = attach_adapter(model, lora)
+            trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
+            if resume_from is not None:
+                trainer.load(str(resume_from))
+        elif lora is not None and resume_from is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(resume_from))  # frozen: inference only
         model.eval()
-        trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
-        if resume_from is not None:
-            trainer.load(str(resume_from))
         max_context = context_length(model, engine_config)
         if engine_config.kind == "vllm":
             launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
@@ -76,8 +92,9 @@ class LocalService:
         else:
             engine = HFEngine(model, max_context=max_context, config=engine_config)
         try:
+            step = int(resume_from.name) if resume_from is not None and resume_from.name.isdigit() else 0
             service = cls.serve(
-                served_name, model, tokenizer, engine, engine_config, gateway_config, chat_format
+                served_name, model, tokenizer, engine, engine_config, gateway_config, chat_format, step
             )
         except BaseException:
             asyncio.run(engine.close())  # a vLLM server started for it must not outlive it
@@ -95,18 +112,20 @@ class LocalService:
         engine_config: EngineConfig,
         gateway_config: GatewayConfig,
         chat_format: str | None = None,
+        step: int = 0,
     ) -> LocalService:
-        """Put a gateway in front of an engine that is already running."""
+        """Put a gateway in front of an engine that is already running (serving `step`'s weights)."""
         fmt = ChatFormat.for_tokenizer(
             tokenizer, chat_format, extra_stop_ids=end_of_turn_ids(model, tokenizer)
         )
         builder = PromptBuilder(fmt.clone(), CompletionStore(gateway_config.completion_store_size))
+        names = ServedNames([served_name], step)
         serving = ChatServing(
-            engine, fmt, builder, [served_name], engine_config.default_max_tokens, engine_config.max_n
+            engine, fmt, builder, names, engine_config.default_max_tokens, engine_config.max_n
         )
         server = GatewayServer(create_app(serving, gateway_config), gateway_config)
         server.start(gateway_config.startup_timeout_s)
-        return cls(model, tokenizer, fmt, engine, server, max_context=engine.max_context)
+        return cls(model, tokenizer, fmt, engine, server, max_context=engine.max_context, names=names)
 
     def _trainer(self) -> Trainer:
         if self.trainer is None:
@@ -125,6 +144,10 @@ class LocalService:
     def save_weights(self, directory: str) -> None:
         """Adapter or full weights and the optimizer state into `directory` (call it through run_exclusive)."""
         self._trainer().save(directory)
+
+    def save_tokenizer(self, directory: Path) -> None:
+        """The tokenizer alone (a few MB), so the run's tokens can be shown as text without the model."""
+        self.tokenizer.save_pretrained(str(directory))
 
     async def export(self, directory: str) -> None:
         """The current weights as a Hugging Face folder with the tokenizer."""
@@ -147,6 +170,7 @@ class LocalService:
         """The trainer published `checkpoint`: the engine generates with it from the next request on."""
         adapter = self.trainer is not None and self.trainer.has_adapter
         await self.engine.publish(step, str(checkpoint), adapter)
+        self.names.step = step  # `name@step` answers from now on (not when the engine kept the old weights)
 
     async def close(self) -> None:
         self.server.stop()

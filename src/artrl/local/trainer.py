@@ -85,6 +85,18 @@ def token_logprobs(
     return full_lp, full_entropy
 
 
+def _record_logprobs(
+    batch: TrainingBatch, at: list[int], lp: torch.Tensor, mb: MicroBatch, before_update: bool
+) -> None:
+    """Keep the trainer's logprob of each trained token of these rows (`at`: their places in batch.rows),
+    for the step's record: token t of a row gets lp[b, t-1] (None where its mask is 0)."""
+    values, mask = lp.detach().float().tolist(), mb.mask.tolist()  # (B, T-1) each
+    for b, i in enumerate(at):
+        n = len(batch.rows[i].ids)
+        batch.trainer_logprobs[i] = [None] + [values[b][t] if mask[b][t] else None for t in range(n - 1)]
+        batch.before_update[i] = before_update
+
+
 def _normaliser(rows: list[Row]) -> float:
     """N: the weighted count of trained target tokens of one optimizer step (targets are positions 1..)."""
     return sum(r.weight * (r.trainable_tokens - r.mask[0]) for r in rows)
@@ -158,15 +170,21 @@ class Trainer:
         started = time.perf_counter()
         if config.kl_coef > 0 and not self.has_adapter:
             raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
-        slices = [batch.rows[k :: config.steps_per_call] for k in range(config.steps_per_call)]
+        spc = config.steps_per_call
+        slices = [batch.rows[k::spc] for k in range(spc)]
+        batch.trainer_logprobs = [[] for _ in batch.rows]
+        batch.before_update = [False for _ in batch.rows]
         total = GRPOTotals()
         self._begin(config)
         try:
-            for rows in filter(None, slices):
+            for k, rows in enumerate(slices):
+                if not rows:
+                    continue
                 normaliser = _normaliser(rows)
                 for micro in pack(rows, config.max_tokens_per_microbatch):
                     mb = collate([rows[i] for i in micro], self.device, self.pad_id)
                     lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
+                    _record_logprobs(batch, [k + i * spc for i in micro], lp, mb, total.optimizer_steps == 0)
                     lp_ref = self._reference_logprobs(mb, config) if config.kl_coef > 0 else None
                     terms = policy_loss(
                         lp, mb.behaviour, mb.advantages, mb.mask, mb.weights, normaliser, config, lp_ref

@@ -71,13 +71,7 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "artrl"}
-                for name in serving.model_names
-            ],
-        }
+        return {"object": "list", "data": serving.names.entries()}
 
     @app.get("/capture/{capture_id}/v1/models")
     async def capture_models(capture_id: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from artrl.local.chat_format import ChatFormat, Piece
 from artrl.local.chat_format.decoding import IncrementalDecoder, decode_all
 from artrl.local.engine import Engine, SamplingParams, SequenceStream, TokenChoice
 from artrl.local.gateway.messages import normalize_messages
+from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import Prompt, PromptBuilder
 from artrl.local.gateway.protocol import ChatRequest, NamedToolChoice, RequestError
 from artrl.local.gateway.stop_strings import StopStrings
@@ -63,13 +64,13 @@ class ChatServing:
         engine: Engine,
         chat_format: ChatFormat,
         builder: PromptBuilder,
-        model_names: list[str],
+        names: ServedNames,
         default_max_tokens: int,
         max_n: int,
     ) -> None:
         self.engine, self.format, self.builder = engine, chat_format, builder
         self.tokenizer = chat_format.tokenizer
-        self.model_names = model_names
+        self.names = names  # the model's name and `name@step` (the step it serves now)
         self.default_max_tokens, self.max_n = default_max_tokens, max_n
         self.generating = 0  # requests whose generation runs now (read and changed on the event loop only)
 
@@ -78,13 +79,7 @@ class ChatServing:
         """Check the request and build its prompt: rendering and tokenising, the costly part of a request
         before generation. The gateway runs it on its preparation thread (with the builder's own copy of the
         tokenizer), so the event loop keeps serving every other client meanwhile."""
-        if request.model not in self.model_names:
-            raise RequestError(
-                f"model {request.model!r} is not served here; available: {self.model_names}",
-                param="model",
-                code="model_not_found",
-                status=404,
-            )
+        self.names.check(request.model)
         if request.n > self.max_n:
             raise RequestError(
                 f"n={request.n} exceeds the limit of {self.max_n}", param="n", code="invalid_value"
