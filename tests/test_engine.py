@@ -44,6 +44,23 @@ async def test_batched_equals_alone_and_matches_transformers_generate(engine, hf
         assert reference[0, len(prompt) :].tolist() == ids
 
 
+async def test_a_cache_that_grows_past_its_room_still_matches_transformers_generate(engine, hf_model):
+    """The batch's KV buffers start with room for ~64 more tokens and double: 150 greedy tokens cross two
+    growths, with a second request joining (and the merged buffers re-made) half-way."""
+    greedy = SamplingParams(max_tokens=150, temperature=0.0)
+    first = asyncio.ensure_future(collect(engine, PROMPTS[0], greedy))
+    await asyncio.sleep(0.05)
+    second = await collect(engine, PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0))
+    ids = (await first)[0]
+    for prompt, got in ((PROMPTS[0], ids), (PROMPTS[3], second[0])):
+        assert len(got) in (150, 40)
+        tokens = list(prompt)
+        with torch.no_grad():  # greedy by full forward passes: no cache at all
+            for _ in got:
+                tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        assert tokens[len(prompt) :] == got
+
+
 async def test_seeded_sampling_is_the_same_alone_or_batched(engine):
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in range(len(PROMPTS))]
     alone = [await collect(engine, p, sp, n=2) for p, sp in zip(PROMPTS, params, strict=True)]

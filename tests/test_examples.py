@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dashboard_browser import problems
 from test_trackers import expected_metrics, tensorboard_metrics, tracker_env, trackio_metrics, wandb_runs
 
 from artrl.storage import read_history
@@ -134,6 +135,25 @@ def test_train_agent_learns_the_maze(tmp_path):
     assert tensorboard_metrics(directory / "tensorboard") == pytest.approx(expected, rel=1e-6)
     assert {k: v for _, metrics in wandb_runs(directory) for k, v in metrics.items()} == expected
     assert trackio_metrics(trackers / "trackio", "maze", directory.name) == expected
+    # the demo's run in the dashboard, in headless Chromium: its curves, and a trajectory of the last step
+    # with its trained tokens highlighted
+    seen = visit_dashboard(tmp_path / "artrl", tmp_path / "screenshots", f"maze/{directory.name}")
+    assert problems(seen) == [] and "val/success_mean" in seen["metrics"]
+    assert (seen["split"], seen["step"]) == ("train", "16") and seen["trained_tokens"] > 0
+
+
+def visit_dashboard(root: Path, out: Path, run: str) -> dict:
+    from dashboard_browser import visit
+
+    from artrl.config import DashboardConfig
+    from artrl.local.dashboard.app import start_dashboard
+
+    out.mkdir()
+    server = start_dashboard(root, DashboardConfig(port=0))
+    try:
+        return visit(f"http://{server.host}:{server.port}/", out, run)
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow

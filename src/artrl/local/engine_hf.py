@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from artrl.config import EngineConfig
 from artrl.local.engine import SequenceStream
+from artrl.local.kv_cache import BatchCache, left_pad
 from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,7 @@ class _Batch:
     """Running sequences and their left-padded KV cache. Row i of every tensor belongs to sequences[i]."""
 
     sequences: list[_Sequence] = field(default_factory=list)
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H_kv, T, D)
-    values: list[torch.Tensor] = field(default_factory=list)  # per layer (B, H_kv, T, D)
+    cache: BatchCache | None = None  # per layer (B, H_kv, T, D), grown in place by decode steps
     mask: torch.Tensor | None = None  # (B, T) long, 0 on padding
 
 
@@ -74,15 +74,6 @@ def _fail(sequences: list[_Sequence], message: str, reason: str = "error") -> No
         if not seq.done:
             seq.done = True
             seq.stream.end(reason, message)  # type: ignore[arg-type]
-
-
-def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class HFEngine:
@@ -248,8 +239,8 @@ class HFEngine:
         for request in requests:
             self._prefill_isolated([request])
 
-    def _forward(self, input_ids, mask, positions, keys, values):
-        cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True))) if keys else DynamicCache()
+    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
+        """Logits (B, V) of the last position; the keys and values of input_ids are appended to `cache`."""
         out = self.model(
             input_ids=input_ids,  # (B, L)
             attention_mask=mask,  # (B, T_past + L)
@@ -258,8 +249,13 @@ class HFEngine:
             logits_to_keep=1,
             **{self._cache_arg: cache},
         )
-        layers = getattr(out, self._cache_arg).layers
-        return out.logits[:, -1, :], [layer.keys for layer in layers], [layer.values for layer in layers]
+        return out.logits[:, -1, :]
+
+    def _prefill_forward(self, input_ids, mask, positions):
+        """A fresh forward: logits (B, V) and per-layer keys and values (B, H, L, D)."""
+        cache = DynamicCache()
+        logits = self._forward(input_ids, mask, positions, cache)
+        return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
     def _prefill(self, requests: list[_Request]) -> None:
         length = max(len(r.prompt_ids) for r in requests)
@@ -269,8 +265,8 @@ class HFEngine:
             ids[row, length - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[row, length - len(r.prompt_ids) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (R, L)
-        logits, keys, values = self._forward(
-            ids.to(self._device), mask.to(self._device), positions.to(self._device), [], []
+        logits, keys, values = self._prefill_forward(
+            ids.to(self._device), mask.to(self._device), positions.to(self._device)
         )
         # expand each request's row to its n sequences
         fanout = torch.tensor([len(r.sequences) for r in requests], device=self._device)  # (R,)
@@ -287,67 +283,61 @@ class HFEngine:
 
     def _merge(self, sequences, keys, values, mask) -> None:
         batch = self._batch
-        if not batch.sequences:
-            self._batch = _Batch(list(sequences), list(keys), list(values), mask)
+        if not batch.sequences or batch.cache is None:
+            self._batch = _Batch(list(sequences), BatchCache.from_states(keys, values), mask)
             return
         length = max(batch.mask.shape[1], mask.shape[1])
-        batch.keys = [
-            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)])
-            for a, b in zip(batch.keys, keys, strict=True)
-        ]
-        batch.values = [
-            torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)])
-            for a, b in zip(batch.values, values, strict=True)
-        ]
-        batch.mask = torch.cat([_left_pad(batch.mask, length, 1), _left_pad(mask, length, 1)])
+        batch.cache = batch.cache.merged(keys, values)
+        batch.mask = torch.cat([left_pad(batch.mask, length, 1), left_pad(mask, length, 1)])
         batch.sequences.extend(sequences)
 
     def _decode_step(self) -> None:
         batch = self._batch
+        assert batch.cache is not None
         ids = torch.tensor([[s.last_token] for s in batch.sequences], device=self._device)  # (B, 1)
         positions = torch.tensor([[s.position] for s in batch.sequences], device=self._device)  # (B, 1)
         mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.sequences), 1))], dim=1)  # (B, T+1)
+        before = batch.cache.length
         try:
-            logits, keys, values = self._forward(ids, mask, positions, batch.keys, batch.values)
+            logits = self._forward(ids, mask, positions, batch.cache.cache())
         except Exception as exc:
+            batch.cache.truncate(before)  # layers before the failure appended their column
             if len(batch.sequences) == 1:
                 raise
             log.warning("a batched decode step failed (%s: %s); decoding row by row", type(exc).__name__, exc)
             self._decode_rows(ids, positions, mask)
             return
-        batch.keys, batch.values, batch.mask = keys, values, mask
+        batch.mask = mask
         self._emit(batch.sequences, logits)
 
     def _decode_rows(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
         """The step again, one sequence at a time: a sequence whose step still fails ends with an error, the
         others keep their place in the batch."""
         batch = self._batch
+        assert batch.cache is not None
         kept, logits, keys, values = [], [], [], []
         for row, seq in enumerate(batch.sequences):
             one = slice(row, row + 1)
+            past = [(k[one], v[one]) for k, v in zip(batch.cache.keys(), batch.cache.values(), strict=True)]
+            cache = DynamicCache(ddp_cache_data=past)  # (a copy of this row's states)
             try:
-                out = self._forward(
-                    ids[one],
-                    mask[one],
-                    positions[one],
-                    [k[one] for k in batch.keys],
-                    [v[one] for v in batch.values],
-                )
+                logits.append(self._forward(ids[one], mask[one], positions[one], cache))
             except Exception as exc:
                 _fail([seq], f"{type(exc).__name__}: {exc}")
                 continue
             kept.append(row)
-            logits.append(out[0])
-            keys.append(out[1])
-            values.append(out[2])
+            keys.append([layer.keys for layer in cache.layers])
+            values.append([layer.values for layer in cache.layers])
         sequences = [batch.sequences[i] for i in kept]
         if not sequences:
             self._batch = _Batch()
             return
         self._batch = _Batch(
             sequences,
-            [torch.cat(layer) for layer in zip(*keys, strict=True)],  # per layer (B', H, T+1, D)
-            [torch.cat(layer) for layer in zip(*values, strict=True)],
+            BatchCache.from_states(
+                [torch.cat(layer) for layer in zip(*keys, strict=True)],  # per layer (B', H, T+1, D)
+                [torch.cat(layer) for layer in zip(*values, strict=True)],
+            ),
             mask[torch.tensor(kept, device=mask.device)],  # (B', T+1)
         )
         self._emit(sequences, torch.cat(logits))  # (B', V)
@@ -386,5 +376,5 @@ class HFEngine:
         first_used = int((mask.sum(0) > 0).nonzero()[0])  # drop padding columns no row needs any more
         batch.sequences = [batch.sequences[i] for i in keep]
         batch.mask = mask[:, first_used:]
-        batch.keys = [k.index_select(0, index)[:, :, first_used:] for k in batch.keys]
-        batch.values = [v.index_select(0, index)[:, :, first_used:] for v in batch.values]
+        assert batch.cache is not None
+        batch.cache = batch.cache.selected(index, first_used)
