@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_concurrency import Workload, run_concurrent
+from agent_workload import Workload, run_concurrent
 from harness import REPO, command_line, ensure_model, machine_info, write_section
 
 import artrl

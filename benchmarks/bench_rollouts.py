@@ -178,11 +178,6 @@ def rotated(run: int) -> tuple[str, ...]:
     return ENDPOINTS[k:] + ENDPOINTS[:k]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
-
-
 @dataclass
 class WorkloadResult:
     work: Workload
@@ -193,7 +188,7 @@ class WorkloadResult:
         return statistics.median(getattr(s, key) for s in self.runs[label])
 
     def latency(self, label: str, q: float) -> float:
-        return percentile([ms for s in self.runs[label] for ms in s.latencies_ms], q)
+        return harness.percentile([ms for s in self.runs[label] for ms in s.latencies_ms], q)
 
     def notes(self) -> list[str]:
         expected = self.work.sessions * self.work.turns * self.work.max_tokens
@@ -216,11 +211,12 @@ async def bench_workload(endpoints: dict[str, Endpoint], work: Workload, runs: i
     result = WorkloadResult(work, {label: [] for label in ENDPOINTS}, reseeded)
     for run in range(runs):
         for label in rotated(run):
+            await harness.settle()
             stats = await run_sessions(endpoints[label], work)
             result.runs[label].append(stats)
             print(
                 f"[{work.key}] run {run + 1}/{runs} {label:<10}: {stats.tokens} tok in {stats.seconds:.2f} s "
-                f"= {stats.tok_s:.1f} tok/s, p50 {percentile(stats.latencies_ms, 50):.0f} ms/call, "
+                f"= {stats.tok_s:.1f} tok/s, p50 {harness.percentile(stats.latencies_ms, 50):.0f} ms/call, "
                 f"other processes {stats.foreign_cpu:.0%} CPU",
                 flush=True,
             )
@@ -288,6 +284,7 @@ async def run(args: argparse.Namespace) -> tuple[list[WorkloadResult], dict[str,
                     await one_token_ms(endpoints["tiny"][label], 3)  # warm-up
                 for run_index in range(args.runs):
                     for label in rotated(run_index):
+                        await harness.settle()
                         overhead[label] += await one_token_ms(endpoints["tiny"][label], args.overhead_calls)
                         print(f"[c] {label}: median {statistics.median(overhead[label]):.1f} ms", flush=True)
         finally:
@@ -352,7 +349,7 @@ def section(args: argparse.Namespace, results: list[WorkloadResult], overhead: d
         for label in ENDPOINTS:
             med = statistics.median(overhead[label])
             lines.append(
-                f"| {label} | {med:.1f} | {percentile(overhead[label], 95):.1f} | {base / med:.2f}x |"
+                f"| {label} | {med:.1f} | {harness.percentile(overhead[label], 95):.1f} | {base / med:.2f}x |"
             )
         lines.append("")
     return "\n".join(lines)

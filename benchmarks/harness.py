@@ -3,6 +3,7 @@ resource readings, and writing one section of benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -164,3 +165,21 @@ def tree_cpu_snapshot() -> tuple[float, float, float]:
     """cpu_snapshot, with this process's CPU counting its live descendants too (for foreign_cpu_share)."""
     wall, busy, _ = cpu_snapshot()
     return wall, busy, process_tree_cpu_s()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+async def settle(limit_s: float = 15.0) -> float:
+    """Wait until this process and its servers are idle: vLLM-CPU's worker spins a core for a second or two
+    after its last request, and an engine's OpenMP threads stall behind a spinning neighbour (measured here:
+    an embedded run right after a vLLM run went 10x slower). Returns the seconds waited."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit_s:
+        before = process_tree_cpu_s()
+        await asyncio.sleep(0.5)
+        if process_tree_cpu_s() - before < 0.05:  # under 10% of one core
+            break
+    return time.perf_counter() - started

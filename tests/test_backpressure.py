@@ -95,7 +95,10 @@ async def test_a_prefill_holds_at_most_its_token_budget(tiny_model_dir):
             prefills.append(tuple(input_ids.shape))
 
     model = instrumented_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), count)
-    engine = HFEngine(model, max_context=2048, config=EngineConfig(max_prefill_tokens=250))
+    # (no prefix cache: identical prompts would share one prefill of their common start)
+    engine = HFEngine(
+        model, max_context=2048, config=EngineConfig(max_prefill_tokens=250, prefix_cache_bytes=0)
+    )
     try:
         params = SamplingParams(max_tokens=2, temperature=0.0)
         prompts = [list(range(10, 110))] * 6 + [list(range(10, 400))]  # 6 x 100 tokens, one of 390

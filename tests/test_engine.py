@@ -157,3 +157,75 @@ def test_a_stream_whose_loop_closed_reports_aborted_instead_of_raising():
     stream.push(TokenChoice(1, -0.1))  # would raise in the engine thread and take it down
     stream.end("stop")
     assert stream.aborted
+
+
+async def test_a_continued_prompt_reuses_the_cached_prefix_and_samples_the_same(engine, hf_model):
+    """An agent's next call (its prompt + what it sampled + a tool result) prefills only the new tokens on
+    top of the finished sequence's keys and values: same greedy tokens as full forwards, same logprobs as an
+    engine without the cache; a training job (any engine.call) empties the cache."""
+    first = list(range(100, 160))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    sampled = (await collect(engine, first, greedy))[0]
+    follow_up = first + sampled + [5, 6, 7]
+    before = engine.prefix_cache.stats.tokens_reused
+    stream = engine.generate(follow_up, greedy, 1)[0]
+    choices = [c async for c in stream]
+    assert engine.prefix_cache.stats.tokens_reused - before == len(first) + len(sampled) - 1
+    tokens = list(follow_up)
+    with torch.no_grad():
+        for _ in choices:
+            tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert [c.token_id for c in choices] == tokens[len(follow_up) :]
+    uncached = HFEngine(hf_model, max_context=2048, config=EngineConfig(prefix_cache_bytes=0))
+    try:
+        plain = [c async for c in uncached.generate(follow_up, greedy, 1)[0]]
+    finally:
+        await uncached.close()
+    assert uncached.prefix_cache.stats.hits == 0
+    assert [c.token_id for c in plain] == [c.token_id for c in choices]
+    assert [c.logprob for c in choices] == pytest.approx([c.logprob for c in plain], abs=1e-4)
+    assert len(engine.prefix_cache) > 0
+    await asyncio.wrap_future(engine.call(lambda: None))
+    assert len(engine.prefix_cache) == 0
+
+
+async def test_requests_admitted_together_share_their_common_start(engine, hf_model):
+    """Rollouts of one scenario (one system prompt) arriving together: the common start is computed once and
+    each row prefills only its own rest, the padding in between masked; tokens as with full forwards."""
+    import time
+
+    shared = list(range(200, 260))
+    prompts = [shared + [7] * k + [11, 12] for k in (1, 3, 6)]
+    busy = engine.call(lambda: time.sleep(0.3))  # the engine thread is held: the three arrive together
+    before = engine.prefix_cache.stats.tokens_reused
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    results = await asyncio.gather(*(collect(engine, p, greedy) for p in prompts))
+    busy.result()
+    assert engine.prefix_cache.stats.tokens_reused - before == 3 * (len(shared) + 1)  # + the first 7
+    for prompt, (got,) in zip(prompts, results, strict=True):
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in got:
+                tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        assert tokens[len(prompt) :] == got
+
+
+async def test_requests_with_different_cached_prefixes_prefill_together(engine, hf_model):
+    """Two agents' next calls (each continuing its own finished sequence) and a fresh prompt, sent at once:
+    each row reuses its own prefix (rows [prefix][rest], both parts left-padded); tokens as full forwards."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    firsts = [list(range(300, 340)), list(range(500, 560))]
+    sampled = [(await collect(engine, p, greedy))[0] for p in firsts]
+    prompts = [p + s + [9, 8, 7][: k + 1] for k, (p, s) in enumerate(zip(firsts, sampled, strict=True))]
+    prompts.append(list(range(700, 720)))
+    before = engine.prefix_cache.stats.tokens_reused
+    streams = [engine.generate(p, greedy, 1)[0] for p in prompts]  # queued together
+    results = [[c.token_id async for c in stream] for stream in streams]
+    reused = sum(len(p) + len(s) - 1 for p, s in zip(firsts, sampled, strict=True))
+    assert engine.prefix_cache.stats.tokens_reused - before == reused
+    for prompt, got in zip(prompts, results, strict=True):
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in got:
+                tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        assert tokens[len(prompt) :] == got

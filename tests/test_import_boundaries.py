@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.trainer": 3,
     "artrl.local.engine_hf": 3,
     "artrl.local.kv_cache": 2,
+    "artrl.local.prefix_cache": 2,
     "artrl.local.engine_vllm": 3,
     "artrl.local.vllm_server": 3,
     "artrl.local.server": 3,

@@ -135,6 +135,15 @@ class EngineConfig(_Frozen):
         "than a training step, which pauses the embedded engine",
     )
     max_n: int = Field(default=32, ge=1, description="largest `n` one request may ask for")
+    prefix_cache_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        ge=0,
+        description="embedded engine: keys and values of finished sequences kept for prompts that continue "
+        "them (an agent's next call, another rollout of the same prompt); 0 = off. Cleared by training",
+    )
+    prefix_cache_min_tokens: int = Field(
+        default=32, ge=1, description="shortest shared prefix worth reusing (shorter ones are prefilled)"
+    )
 
 
 class GatewayConfig(_Frozen):

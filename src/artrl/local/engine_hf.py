@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from artrl.config import EngineConfig
 from artrl.local.engine import SequenceStream
 from artrl.local.kv_cache import BatchCache, left_pad
+from artrl.local.prefix_cache import CachedPrefix, PrefixCache, PrefixMatch
 from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,13 @@ class _Sequence:
     last_token: int = 0
     position: int = 0  # position id of last_token
     done: bool = False  # engine side: ended (stop, length or abort) and to be dropped from the batch
+    tokens: list[int] = field(default_factory=list)  # prompt + sampled (for the prefix cache)
+    reusable: bool = False  # ended by stop or length: its keys and values may serve a later prompt
 
     def finish(self, reason) -> None:
         if not self.done:
             self.done = True
+            self.reusable = reason in ("stop", "length")
             self.stream.end(reason)
 
 
@@ -89,6 +93,7 @@ class HFEngine:
         self._pending: list[_Request] = []
         self._jobs: list[_Job] = []
         self._batch = _Batch()
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self._closed = False
         self._device = next(model.parameters()).device
         # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
@@ -173,6 +178,8 @@ class HFEngine:
 
     def _run_jobs(self) -> None:
         jobs, self._jobs = self._jobs, []
+        if jobs:
+            self.prefix_cache.clear()  # a job may change the weights: cached keys and values are stale
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 try:
@@ -218,17 +225,40 @@ class HFEngine:
                 for s in request.sequences:
                     s.finish("abort")
                 continue
+            room -= len(request.sequences)
             admitted.append(request)
             longest = max(longest, len(request.prompt_ids))
-            room -= len(request.sequences)
         if admitted:
-            self._prefill_isolated(admitted)
+            self._prefill_isolated(admitted, self._prefix_matches(admitted))
 
-    def _prefill_isolated(self, requests: list[_Request]) -> None:
+    def _prefix_matches(self, requests: list[_Request]) -> list[PrefixMatch | None]:
+        """Each request's longest cached start; requests without one that start alike (one scenario's
+        rollouts, one system prompt and tool list) get their common start computed once and cached."""
+        if not self.prefix_cache.enabled:
+            return [None] * len(requests)
+        matches = [self.prefix_cache.longest(r.prompt_ids) for r in requests]
+        unmatched = [r.prompt_ids for r, m in zip(requests, matches, strict=True) if m is None]
+        if len(unmatched) < 2:
+            return matches
+        limit = min(len(p) for p in unmatched) - 1
+        shared = 0
+        while shared < limit and all(p[shared] == unmatched[0][shared] for p in unmatched):
+            shared += 1
+        if shared < self.prefix_cache.min_tokens:
+            return matches
+        ids = unmatched[0][:shared]
+        row = torch.tensor([ids], device=self._device)  # (1, P)
+        positions = torch.arange(shared, device=self._device)[None]  # (1, P)
+        _, keys, values = self._prefill_forward(row, torch.ones_like(row), positions, [None])
+        self.prefix_cache.put(ids, keys, values)
+        common = PrefixMatch(CachedPrefix(tuple(ids), keys, values), shared)
+        return [m if m is not None else common for m in matches]
+
+    def _prefill_isolated(self, requests: list[_Request], matches: list[PrefixMatch | None]) -> None:
         """Prefill the requests together; if that fails (out of memory on a long prompt, say), each on its
         own, so that only a request whose own prefill fails ends with an error."""
         try:
-            self._prefill(requests)
+            self._prefill(requests, matches)
             return
         except Exception as exc:
             if len(requests) == 1:
@@ -237,7 +267,7 @@ class HFEngine:
                 return
             log.warning("a batched prefill failed (%s: %s); prefilling one by one", type(exc).__name__, exc)
         for request in requests:
-            self._prefill_isolated([request])
+            self._prefill_isolated([request], [None])
 
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
         """Logits (B, V) of the last position; the keys and values of input_ids are appended to `cache`."""
@@ -251,23 +281,47 @@ class HFEngine:
         )
         return out.logits[:, -1, :]
 
-    def _prefill_forward(self, input_ids, mask, positions):
-        """A fresh forward: logits (B, V) and per-layer keys and values (B, H, L, D)."""
+    def _prefill_forward(self, input_ids, mask, positions, matches: list[PrefixMatch | None]):
+        """Logits (R, V) and per-layer keys and values (R, H, P + S, D): input_ids (R, S) on top of each row's
+        cached prefix, left-padded to the longest P (none: a fresh forward)."""
         cache = DynamicCache()
+        width = max((m.length for m in matches if m is not None), default=0)
+        if width:
+            some = next(m for m in matches if m is not None).entry  # (shapes for a row without a prefix)
+            past = []
+            for layer in range(len(some.keys)):
+                rows_k, rows_v = [], []
+                for m in matches:
+                    entry, n = (m.entry, m.length) if m is not None else (some, 0)
+                    rows_k.append(left_pad(entry.keys[layer][:, :, :n], width, 2))  # (1, H, P, D)
+                    rows_v.append(left_pad(entry.values[layer][:, :, :n], width, 2))
+                past.append((torch.cat(rows_k), torch.cat(rows_v)))
+            cache = DynamicCache(ddp_cache_data=past)  # (fresh tensors: the entries stay as they are)
         logits = self._forward(input_ids, mask, positions, cache)
         return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
-    def _prefill(self, requests: list[_Request]) -> None:
-        length = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((len(requests), length), 0, dtype=torch.long)  # (R, L)
-        mask = torch.zeros((len(requests), length), dtype=torch.long)  # (R, L)
-        for row, r in enumerate(requests):
-            ids[row, length - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[row, length - len(r.prompt_ids) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (R, L)
+    def _prefill(self, requests: list[_Request], matches: list[PrefixMatch | None]) -> None:
+        """The requests' prompts in one forward, each row [its cached prefix][the rest of its prompt], both
+        parts left-padded (the mask hides the padding; positions run on across it); without prefixes, plain
+        left-padded prompts."""
+        skips = [m.length if m is not None else 0 for m in matches]  # prompt tokens whose states are cached
+        width = max(skips)
+        rests = [r.prompt_ids[skip:] for r, skip in zip(requests, skips, strict=True)]
+        rest = max(len(t) for t in rests)
+        ids = torch.zeros((len(requests), rest), dtype=torch.long)  # (R, S)
+        mask = torch.zeros((len(requests), width + rest), dtype=torch.long)  # (R, P + S)
+        for row, (tail, skip) in enumerate(zip(rests, skips, strict=True)):
+            ids[row, rest - len(tail) :] = torch.tensor(tail)
+            mask[row, width - skip : width] = 1
+            mask[row, width + rest - len(tail) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width:]  # (R, S)
         logits, keys, values = self._prefill_forward(
-            ids.to(self._device), mask.to(self._device), positions.to(self._device)
+            ids.to(self._device), mask.to(self._device), positions.to(self._device), matches
         )
+        stats = self.prefix_cache.stats
+        stats.hits += sum(1 for m in matches if m is not None)
+        stats.tokens_reused += sum(skips)
+        stats.tokens_prefilled += sum(len(t) for t in rests)
         # expand each request's row to its n sequences
         fanout = torch.tensor([len(r.sequences) for r in requests], device=self._device)  # (R,)
         logits = logits.repeat_interleave(fanout, dim=0)  # (S, V)
@@ -278,6 +332,8 @@ class HFEngine:
         for r in requests:
             for s in r.sequences:
                 s.position = len(r.prompt_ids) - 1  # the first sampled token lands at len(prompt)
+                if self.prefix_cache.enabled:
+                    s.tokens = list(r.prompt_ids)
         self._merge(sequences, keys, values, mask)
         self._emit(sequences, logits)
 
@@ -318,7 +374,10 @@ class HFEngine:
         kept, logits, keys, values = [], [], [], []
         for row, seq in enumerate(batch.sequences):
             one = slice(row, row + 1)
-            past = [(k[one], v[one]) for k, v in zip(batch.cache.keys(), batch.cache.values(), strict=True)]
+            past = [
+                (k[one], v[one])
+                for k, v in zip(batch.cache.key_states(), batch.cache.value_states(), strict=True)
+            ]
             cache = DynamicCache(ddp_cache_data=past)  # (a copy of this row's states)
             try:
                 logits.append(self._forward(ids[one], mask[one], positions[one], cache))
@@ -353,12 +412,28 @@ class HFEngine:
                 continue
             seq.stream.push(choice)
             seq.generated += 1
+            if self.prefix_cache.enabled:
+                seq.tokens.append(choice.token_id)
             seq.last_token = choice.token_id
             seq.position += 1
             if choice.token_id in seq.params.stop_token_ids:
                 seq.finish("stop")
             elif seq.generated >= seq.params.max_tokens or seq.position + 1 >= self._max_context:
                 seq.finish("length")
+
+    def _remember(self, batch: _Batch, rows: list[int]) -> None:
+        """Copy finished rows' keys and values into the prefix cache: their prompt + sampled tokens but the
+        last sampled one (never fed back, so it has none)."""
+        assert batch.cache is not None and batch.mask is not None
+        for row in rows:
+            columns = batch.mask[row].nonzero()[:, 0]  # (n,) its tokens' columns (padding may sit between)
+            tokens = batch.sequences[row].tokens[: len(columns)]
+            if len(tokens) != len(columns):
+                continue  # (never: every unmasked column is a token of the sequence)
+            one = slice(row, row + 1)
+            keys = [k[one].index_select(2, columns) for k in batch.cache.key_states()]  # (1, H, n, D)
+            values = [v[one].index_select(2, columns) for v in batch.cache.value_states()]
+            self.prefix_cache.put(tokens, keys, values)
 
     def _drop_finished(self) -> None:
         batch = self._batch
@@ -368,6 +443,8 @@ class HFEngine:
         keep = [i for i, s in enumerate(batch.sequences) if not s.done]
         if len(keep) == len(batch.sequences):
             return
+        if self.prefix_cache.enabled and batch.cache is not None:
+            self._remember(batch, [i for i, s in enumerate(batch.sequences) if s.done and s.reusable])
         if not keep:
             self._batch = _Batch()
             return

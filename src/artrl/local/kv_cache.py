@@ -109,10 +109,10 @@ class BatchCache:
         for layer in self.layers:
             layer.truncate(length)
 
-    def keys(self) -> list[torch.Tensor]:
+    def key_states(self) -> list[torch.Tensor]:
         return [layer.keys for layer in self.layers]
 
-    def values(self) -> list[torch.Tensor]:
+    def value_states(self) -> list[torch.Tensor]:
         return [layer.values for layer in self.layers]
 
     def merged(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> BatchCache:
@@ -122,17 +122,17 @@ class BatchCache:
         return BatchCache.from_states(
             [
                 torch.cat([left_pad(a, length, 2), left_pad(b, length, 2)])
-                for a, b in zip(self.keys(), keys, strict=True)
+                for a, b in zip(self.key_states(), keys, strict=True)
             ],
             [
                 torch.cat([left_pad(a, length, 2), left_pad(b, length, 2)])
-                for a, b in zip(self.values(), values, strict=True)
+                for a, b in zip(self.value_states(), values, strict=True)
             ],
         )
 
     def selected(self, rows: torch.Tensor, first_column: int) -> BatchCache:
         """The cache of some rows (indices (B',)), from `first_column` on (padding no row needs any more)."""
         return BatchCache.from_states(
-            [k.index_select(0, rows)[:, :, first_column:] for k in self.keys()],
-            [v.index_select(0, rows)[:, :, first_column:] for v in self.values()],
+            [k.index_select(0, rows)[:, :, first_column:] for k in self.key_states()],
+            [v.index_select(0, rows)[:, :, first_column:] for v in self.value_states()],
         )

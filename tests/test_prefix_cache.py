@@ -1,0 +1,41 @@
+"""The prefix cache's bookkeeping: longest match, at least one token left to prefill, LRU within a budget."""
+
+from __future__ import annotations
+
+import torch
+
+from artrl.local.prefix_cache import PrefixCache
+
+
+def states(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [torch.zeros(1, 1, n, 4)], [torch.zeros(1, 1, n, 4)]  # 2 x n x 16 bytes
+
+
+def test_the_longest_shared_start_wins_and_one_token_is_left_to_prefill():
+    cache = PrefixCache(max_bytes=10_000, min_tokens=2)
+    cache.put([1, 2, 3], *states(3))
+    cache.put([1, 2, 3, 4, 5], *states(5))
+    cache.put([9, 9, 9], *states(3))
+    match = cache.longest([1, 2, 3, 4, 5, 6])
+    assert (match.entry.ids, match.length) == ((1, 2, 3, 4, 5), 5)
+    match = cache.longest([1, 2, 3, 4, 5])  # all of it cached: the last token still prefills
+    assert (match.entry.ids, match.length) == ((1, 2, 3, 4, 5), 4)
+    match = cache.longest([1, 2, 3, 7, 7, 7])  # an entry that goes on differently serves its shared start
+    assert match.length == 3
+    assert cache.longest([1, 5, 5, 5]) is None  # one shared token: under min_tokens
+    assert cache.longest([1]) is None
+
+
+def test_short_prefixes_are_not_kept_and_the_budget_evicts_the_least_recently_used():
+    cache = PrefixCache(max_bytes=3 * 2 * 10 * 16, min_tokens=4)  # three 10-token entries
+    cache.put([1, 2, 3], *states(3))
+    assert len(cache) == 0
+    for first in (1, 2, 3):
+        cache.put([first] * 10, *states(10))
+    assert cache.longest([1] * 11).length == 10  # 1 is used: 2 is now the least recently used
+    cache.put([4] * 10, *states(10))
+    assert len(cache) == 3 and cache.longest([2] * 11) is None and cache.longest([1] * 11) is not None
+    cache.put([5] * 100, *states(100))  # larger than the whole budget: not kept, nothing evicted
+    assert len(cache) == 3
+    cache.clear()
+    assert len(cache) == 0 and cache.longest([1] * 11) is None
