@@ -3,18 +3,16 @@ after every step), resume after deletions, and `name@step` served names that mov
 
 from __future__ import annotations
 
-import asyncio
-
 import openai
 import pytest
 import torch
+from scored_rollouts import PROMPT, rollouts
 
 import artrl
 from artrl.config import CheckpointRetention
 from artrl.retention import checkpoints_to_keep, metric_by_step
 from artrl.storage import checkpoint_steps
 
-PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
 LR = artrl.TrainConfig(learning_rate=1e-2)
 
 
@@ -91,16 +89,6 @@ def test_bad_settings_are_refused():
 
 
 # ---------------------------------------------------------------- on a real run
-async def rollouts(model: artrl.TrainableModel, rewards: list[float]) -> artrl.TrajectoryGroup:
-    client = model.openai_client()
-
-    async def one(i: int, reward: float) -> artrl.Trajectory:
-        response = await client.chat.completions.create(
-            model=model.name, messages=PROMPT, max_tokens=6, seed=i
-        )
-        return artrl.Trajectory(messages_and_choices=[*PROMPT, response.choices[0]], reward=reward)
-
-    return artrl.TrajectoryGroup(await asyncio.gather(*(one(i, r) for i, r in enumerate(rewards))))
 
 
 def evaluation(reward: float) -> list[artrl.TrajectoryGroup]:
@@ -127,7 +115,7 @@ async def resume_equals(path, model: artrl.TrainableModel, saved: dict[str, torc
         assert await served_ids(again) == [again.name, f"{again.name}@{step}"]
         restored = weights(backend, again)
         assert restored.keys() == saved.keys() and all(torch.equal(saved[n], restored[n]) for n in saved)
-        assert (await again.train([await rollouts(again, [1, 0])], config=LR)).step == step + 1
+        assert (await again.train([await rollouts(again, [1, 0], max_tokens=6)], config=LR)).step == step + 1
 
 
 async def test_delete_checkpoints_keeps_the_newest_and_the_best_then_resume(tiny_model_dir, tmp_path):
@@ -137,7 +125,7 @@ async def test_delete_checkpoints_keeps_the_newest_and_the_best_then_resume(tiny
         await model.register(backend)
         directory = backend.directory(model)
         for reward in (0.2, 0.9, 0.5, 0.1, 0.3):
-            await model.train([await rollouts(model, [1, 0])], config=LR)
+            await model.train([await rollouts(model, [1, 0], max_tokens=6)], config=LR)
             await model.log(evaluation(reward), split="val")
         assert checkpoint_steps(directory) == [1, 2, 3, 4, 5]
         with pytest.raises(ValueError, match="no checkpoint was deleted"):
@@ -167,7 +155,7 @@ async def test_retention_after_every_step_and_served_names_follow(tiny_model_dir
         await model.register(backend)
         assert await served_ids(model) == ["auto", "auto@0"]
         for step, reward in zip(range(1, 6), (0.5, 0.9, 0.1, 0.3, 0.2), strict=True):
-            result = await model.train([await rollouts(model, [1, 0])], config=LR)
+            result = await model.train([await rollouts(model, [1, 0], max_tokens=6)], config=LR)
             assert result.step == step
             assert checkpoint_steps(backend.directory(model)) == expected[step]
             assert await served_ids(model) == ["auto", f"auto@{step}"]
@@ -185,7 +173,7 @@ async def test_a_request_pins_the_served_step(fresh_model):
         await client.chat.completions.create(model="tiny@1", **ask)
     assert caught.value.code == "model_not_found"
     assert "serves step 0" in caught.value.message and "Step 1 is not trained yet" in caught.value.message
-    await fresh_model.train([await rollouts(fresh_model, [1, 0])], config=LR)
+    await fresh_model.train([await rollouts(fresh_model, [1, 0], max_tokens=6)], config=LR)
     moved = await client.chat.completions.create(model="tiny@1", **ask)
     plain = await client.chat.completions.create(model="tiny", **ask)
     assert moved.choices[0].token_ids == plain.choices[0].token_ids
@@ -211,7 +199,7 @@ async def test_the_vllm_engine_serves_the_published_step(tiny_model_dir, tmp_pat
     async with artrl.LocalBackend(path=tmp_path, engine="vllm") as backend:
         await model.register(backend)
         assert await served_ids(model) == ["v", "v@0"]
-        await model.train([await rollouts(model, [1, 0])], config=LR)
+        await model.train([await rollouts(model, [1, 0], max_tokens=6)], config=LR)
         assert await served_ids(model) == ["v", "v@1"]
         assert backend.service(model).engine.target == "v@1"
         client = model.openai_client(max_retries=0)

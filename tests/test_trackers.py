@@ -4,7 +4,6 @@ tracker that fails to import, start or log only warns once and is dropped; train
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -16,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scored_rollouts import rollouts
 
 import artrl
 from artrl.storage import model_dir, read_history
 from artrl.trackers import Trackers, open_trackers, tracker_metrics, wandb_run_id
 
-PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
 ALL = ("wandb", "tensorboard", "trackio")
 
 
@@ -140,23 +139,13 @@ def trackio_metrics(trackio_dir: Path, project: str, run: str) -> dict[tuple[str
 # --- training with the three trackers ---
 
 
-async def rollouts(model: artrl.TrainableModel, rewards: list[float]) -> artrl.TrajectoryGroup:
-    client = model.openai_client()
-
-    async def one(i: int, reward: float) -> artrl.Trajectory:
-        response = await client.chat.completions.create(
-            model=model.name, messages=PROMPT, max_tokens=6, seed=i
-        )
-        return artrl.Trajectory(messages_and_choices=[*PROMPT, response.choices[0]], reward=reward)
-
-    return artrl.TrajectoryGroup(await asyncio.gather(*(one(i, r) for i, r in enumerate(rewards))))
-
-
 async def train_and_validate(backend: artrl.LocalBackend, model: artrl.TrainableModel) -> None:
     await model.register(backend)
     try:
-        await model.train([await rollouts(model, [1, 0, 0, 1])], config=artrl.TrainConfig(learning_rate=1e-2))
-        await model.log([await rollouts(model, [0.25, 0.75])], "val")
+        await model.train(
+            [await rollouts(model, [1, 0, 0, 1], max_tokens=6)], config=artrl.TrainConfig(learning_rate=1e-2)
+        )
+        await model.log([await rollouts(model, [0.25, 0.75], max_tokens=6)], "val")
     finally:
         await backend.close()
 

@@ -8,12 +8,11 @@ import json
 
 import pytest
 import torch
+from scored_rollouts import PROMPT, rollouts
 
 import artrl
 import artrl.storage
 from artrl.local.rows import UntrackedTurnsError
-
-PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
 
 
 @pytest.fixture
@@ -24,18 +23,6 @@ async def trained(tiny_model_dir, tmp_path):
     await model.register(backend)
     yield model, backend
     await backend.close()
-
-
-async def rollouts(model, rewards: list[float], max_tokens: int = 8) -> artrl.TrajectoryGroup:
-    client = model.openai_client()
-
-    async def one(i: int, reward: float) -> artrl.Trajectory:
-        response = await client.chat.completions.create(
-            model=model.name, messages=PROMPT, max_tokens=max_tokens, seed=i
-        )
-        return artrl.Trajectory(messages_and_choices=[*PROMPT, response.choices[0]], reward=reward)
-
-    return artrl.TrajectoryGroup(await asyncio.gather(*(one(i, r) for i, r in enumerate(rewards))))
 
 
 def trainable(backend, model) -> dict[str, torch.Tensor]:
