@@ -238,3 +238,15 @@ def test_chunked_logprobs_equal_full_logits(tiny_model_dir):
     # same math, another fp32 summation order (chunks): equal up to rounding, relative to the gradient's size
     for a, b in zip(results[0][1], results[1][1], strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()) + 1e-7)
+
+
+async def test_models_registered_at_once_all_load(tiny_model_dir, tmp_path):
+    """Three `register` calls gathered on one backend: each model loads (transformers' meta-device loading is
+    process-wide, so loads take turns) and serves."""
+    async with artrl.LocalBackend(path=tmp_path / "artrl") as backend:
+        models = [
+            artrl.TrainableModel(name=f"m{i}", project="p", base_model=str(tiny_model_dir)) for i in range(3)
+        ]
+        await asyncio.gather(*(m.register(backend) for m in models))
+        groups = await asyncio.gather(*(rollouts(m, [1.0, 0.0], max_tokens=4) for m in models))
+        assert all(len(g.trajectories) == 2 for g in groups)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
 from artrl.config import EngineConfig
+
+# transformers builds a model under a process-wide "meta device" context (and PEFT wraps modules likewise): two
+# models loading at once in one process (two `register` calls gathered) corrupt each other ("Cannot copy out
+# of meta tensor"). Loading takes this lock; serving and training never do.
+LOADING = threading.Lock()
 
 
 def pick_device(config: EngineConfig) -> torch.device:

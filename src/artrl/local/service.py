@@ -20,6 +20,7 @@ from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.serving import ChatServing
 from artrl.local.loading import (
+    LOADING,
     context_length,
     end_of_turn_ids,
     load_model_and_tokenizer,
@@ -71,19 +72,20 @@ class LocalService:
 
         `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state."""
         full_weights = lora is None and resume_from is not None
-        model, tokenizer = load_model_and_tokenizer(
-            base_model, engine_config, str(resume_from) if full_weights else None
-        )
-        trainer = None
-        if trainable:
-            model = attach_adapter(model, lora)
-            trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
-            if resume_from is not None:
-                trainer.load(str(resume_from))
-        elif lora is not None and resume_from is not None:
-            from peft import PeftModel
+        with LOADING:  # one model built at a time in this process (see LOADING)
+            model, tokenizer = load_model_and_tokenizer(
+                base_model, engine_config, str(resume_from) if full_weights else None
+            )
+            trainer = None
+            if trainable:
+                model = attach_adapter(model, lora)
+                trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
+                if resume_from is not None:
+                    trainer.load(str(resume_from))
+            elif lora is not None and resume_from is not None:
+                from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(resume_from))  # frozen: inference only
+                model = PeftModel.from_pretrained(model, str(resume_from))  # frozen: inference only
         model.eval()
         max_context = context_length(model, engine_config)
         if engine_config.kind == "vllm":
