@@ -201,7 +201,9 @@ async def test_requests_admitted_together_share_their_common_start(engine, hf_mo
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     results = await asyncio.gather(*(collect(engine, p, greedy) for p in prompts))
     busy.result()
-    assert engine.prefix_cache.stats.tokens_reused - before == 3 * (len(shared) + 1)  # + the first 7
+    common = len(shared) + 1  # + the first 7
+    rest = max(len(p) for p in prompts) - common  # every row computes its last `rest` tokens
+    assert engine.prefix_cache.stats.tokens_reused - before == sum(len(p) - rest for p in prompts)
     for prompt, (got,) in zip(prompts, results, strict=True):
         tokens = list(prompt)
         with torch.no_grad():
@@ -212,7 +214,8 @@ async def test_requests_admitted_together_share_their_common_start(engine, hf_mo
 
 async def test_requests_with_different_cached_prefixes_prefill_together(engine, hf_model):
     """Two agents' next calls (each continuing its own finished sequence) and a fresh prompt, sent at once:
-    each row reuses its own prefix (rows [prefix][rest], both parts left-padded); tokens as full forwards."""
+    each row reuses its own prefix up to where the rows' common rest begins (no padding between a row's
+    tokens); tokens as full forwards."""
     greedy = SamplingParams(max_tokens=10, temperature=0.0)
     firsts = [list(range(300, 340)), list(range(500, 560))]
     sampled = [(await collect(engine, p, greedy))[0] for p in firsts]
@@ -221,11 +224,53 @@ async def test_requests_with_different_cached_prefixes_prefill_together(engine, 
     before = engine.prefix_cache.stats.tokens_reused
     streams = [engine.generate(p, greedy, 1)[0] for p in prompts]  # queued together
     results = [[c.token_id async for c in stream] for stream in streams]
-    reused = sum(len(p) + len(s) - 1 for p, s in zip(firsts, sampled, strict=True))
-    assert engine.prefix_cache.stats.tokens_reused - before == reused
+    cached = [len(p) + len(s) - 1 for p, s in zip(firsts, sampled, strict=True)] + [0]
+    rest = max(len(p) - c for p, c in zip(prompts, cached, strict=True))  # the fresh prompt: all of it
+    assert engine.prefix_cache.stats.tokens_reused - before == sum(max(0, len(p) - rest) for p in prompts)
     for prompt, got in zip(prompts, results, strict=True):
         tokens = list(prompt)
         with torch.no_grad():
             for _ in got:
                 tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        assert tokens[len(prompt) :] == got
+
+
+async def test_reused_prefixes_leave_no_gap_a_sliding_window_would_count():
+    """A sliding-window model (window 16): rows reusing different cached prefixes in one prefill must keep
+    their tokens contiguous; padding between them would push real tokens out of the window (this gave other
+    tokens than full forward passes before the rows were aligned)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=0,
+        layer_types=["sliding_attention", "sliding_attention"],
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    engine = HFEngine(model, max_context=1024, config=EngineConfig(prefix_cache_min_tokens=8))
+    try:
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+        firsts = [list(range(10, 50)), list(range(100, 140))]
+        sampled = [(await collect(engine, p, greedy))[0] for p in firsts]
+        prompts = [firsts[0] + sampled[0] + [7], firsts[1] + sampled[1] + list(range(200, 230))]
+        streams = [engine.generate(p, greedy, 1)[0] for p in prompts]  # queued together
+        results = [[c.token_id async for c in stream] for stream in streams]
+        assert engine.prefix_cache.stats.hits >= 2
+    finally:
+        await engine.close()
+    for prompt, got in zip(prompts, results, strict=True):
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in got:
+                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
         assert tokens[len(prompt) :] == got

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from artrl.config import EngineConfig
 from artrl.local.engine import SequenceStream
 from artrl.local.kv_cache import BatchCache, left_pad
-from artrl.local.prefix_cache import CachedPrefix, PrefixCache, PrefixMatch
+from artrl.local.prefix_cache import CachedPrefix, PrefixCache, PrefixMatch, common_start, stacked_states
 from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
 log = logging.getLogger(__name__)
@@ -240,16 +240,13 @@ class HFEngine:
         unmatched = [r.prompt_ids for r, m in zip(requests, matches, strict=True) if m is None]
         if len(unmatched) < 2:
             return matches
-        limit = min(len(p) for p in unmatched) - 1
-        shared = 0
-        while shared < limit and all(p[shared] == unmatched[0][shared] for p in unmatched):
-            shared += 1
+        shared = common_start(unmatched)
         if shared < self.prefix_cache.min_tokens:
             return matches
         ids = unmatched[0][:shared]
         row = torch.tensor([ids], device=self._device)  # (1, P)
         positions = torch.arange(shared, device=self._device)[None]  # (1, P)
-        _, keys, values = self._prefill_forward(row, torch.ones_like(row), positions, [None])
+        _, keys, values = self._prefill_forward(row, torch.ones_like(row), positions, [(None, 0)])
         self.prefix_cache.put(ids, keys, values)
         common = PrefixMatch(CachedPrefix(tuple(ids), keys, values), shared)
         return [m if m is not None else common for m in matches]
@@ -281,47 +278,39 @@ class HFEngine:
         )
         return out.logits[:, -1, :]
 
-    def _prefill_forward(self, input_ids, mask, positions, matches: list[PrefixMatch | None]):
-        """Logits (R, V) and per-layer keys and values (R, H, P + S, D): input_ids (R, S) on top of each row's
-        cached prefix, left-padded to the longest P (none: a fresh forward)."""
-        cache = DynamicCache()
-        width = max((m.length for m in matches if m is not None), default=0)
-        if width:
-            some = next(m for m in matches if m is not None).entry  # (shapes for a row without a prefix)
-            past = []
-            for layer in range(len(some.keys)):
-                rows_k, rows_v = [], []
-                for m in matches:
-                    entry, n = (m.entry, m.length) if m is not None else (some, 0)
-                    rows_k.append(left_pad(entry.keys[layer][:, :, :n], width, 2))  # (1, H, P, D)
-                    rows_v.append(left_pad(entry.values[layer][:, :, :n], width, 2))
-                past.append((torch.cat(rows_k), torch.cat(rows_v)))
-            cache = DynamicCache(ddp_cache_data=past)  # (fresh tensors: the entries stay as they are)
+    def _prefill_forward(self, input_ids, mask, positions, reused: list[tuple[CachedPrefix | None, int]]):
+        """Logits (R, V) and per-layer keys and values (R, H, P + S, D): input_ids (R, S) after each row's
+        first n cached tokens of its entry (left-padded to the longest; none: a fresh forward)."""
+        past = stacked_states(reused)
+        cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()  # (fresh tensors)
         logits = self._forward(input_ids, mask, positions, cache)
         return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
     def _prefill(self, requests: list[_Request], matches: list[PrefixMatch | None]) -> None:
-        """The requests' prompts in one forward, each row [its cached prefix][the rest of its prompt], both
-        parts left-padded (the mask hides the padding; positions run on across it); without prefixes, plain
-        left-padded prompts."""
-        skips = [m.length if m is not None else 0 for m in matches]  # prompt tokens whose states are cached
-        width = max(skips)
-        rests = [r.prompt_ids[skip:] for r, skip in zip(requests, skips, strict=True)]
-        rest = max(len(t) for t in rests)
+        """The requests' prompts in one forward, left-padded; a row with a cached prefix computes only the
+        last S tokens of its prompt (S: what the row with the least cached must compute) on top of the cached
+        states of the rest, so every row's tokens stay contiguous (no padding between them, which a
+        sliding-window layer would count as tokens)."""
+        lengths = [len(r.prompt_ids) for r in requests]
+        cached = [m.length if m is not None else 0 for m in matches]
+        rest = max(n - c for n, c in zip(lengths, cached, strict=True))  # S
+        reuse = [max(0, n - rest) for n in lengths]  # <= cached: each row's rest is exactly S tokens
+        width = max(reuse)
         ids = torch.zeros((len(requests), rest), dtype=torch.long)  # (R, S)
         mask = torch.zeros((len(requests), width + rest), dtype=torch.long)  # (R, P + S)
-        for row, (tail, skip) in enumerate(zip(rests, skips, strict=True)):
+        for row, (r, n) in enumerate(zip(requests, reuse, strict=True)):
+            tail = r.prompt_ids[n:]
             ids[row, rest - len(tail) :] = torch.tensor(tail)
-            mask[row, width - skip : width] = 1
-            mask[row, width + rest - len(tail) :] = 1
+            mask[row, width + rest - len(tail) - n :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width:]  # (R, S)
+        reused = [(m.entry if m is not None else None, n) for m, n in zip(matches, reuse, strict=True)]
         logits, keys, values = self._prefill_forward(
-            ids.to(self._device), mask.to(self._device), positions.to(self._device), matches
+            ids.to(self._device), mask.to(self._device), positions.to(self._device), reused
         )
         stats = self.prefix_cache.stats
-        stats.hits += sum(1 for m in matches if m is not None)
-        stats.tokens_reused += sum(skips)
-        stats.tokens_prefilled += sum(len(t) for t in rests)
+        stats.hits += sum(1 for n in reuse if n)
+        stats.tokens_reused += sum(reuse)
+        stats.tokens_prefilled += sum(lengths) - sum(reuse)
         # expand each request's row to its n sequences
         fanout = torch.tensor([len(r.sequences) for r in requests], device=self._device)  # (R,)
         logits = logits.repeat_interleave(fanout, dim=0)  # (S, V)
@@ -426,14 +415,12 @@ class HFEngine:
         last sampled one (never fed back, so it has none)."""
         assert batch.cache is not None and batch.mask is not None
         for row in rows:
-            columns = batch.mask[row].nonzero()[:, 0]  # (n,) its tokens' columns (padding may sit between)
+            columns = batch.mask[row].nonzero()[
+                :, 0
+            ]  # (n,) its tokens' columns (the padding before them out)
             tokens = batch.sequences[row].tokens[: len(columns)]
-            if len(tokens) != len(columns):
-                continue  # (never: every unmasked column is a token of the sequence)
-            one = slice(row, row + 1)
-            keys = [k[one].index_select(2, columns) for k in batch.cache.key_states()]  # (1, H, n, D)
-            values = [v[one].index_select(2, columns) for v in batch.cache.value_states()]
-            self.prefix_cache.put(tokens, keys, values)
+            if len(tokens) == len(columns):  # (always: every unmasked column is a token of the sequence)
+                self.prefix_cache.put(tokens, *batch.cache.row_states(row, columns))
 
     def _drop_finished(self) -> None:
         batch = self._batch

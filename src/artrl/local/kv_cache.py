@@ -115,6 +115,14 @@ class BatchCache:
     def value_states(self) -> list[torch.Tensor]:
         return [layer.values for layer in self.layers]
 
+    def row_states(self, row: int, columns: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of one row's keys and values at `columns` ((n,) indices): per layer (1, H, n, D)."""
+        one = slice(row, row + 1)
+        return (
+            [k[one].index_select(2, columns) for k in self.key_states()],
+            [v[one].index_select(2, columns) for v in self.value_states()],
+        )
+
     def merged(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> BatchCache:
         """A cache with new rows (per-layer (B', H, T', D) states) under these, both left-padded to the longer
         timeline."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from artrl.local.kv_cache import left_pad
+
 
 @dataclass
 class CachedPrefix:
@@ -97,3 +99,29 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
         self._bytes = 0
+
+
+def stacked_states(reused: list[tuple[CachedPrefix | None, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (R, H, P, D) keys and values: row i holds the first n_i cached tokens of its entry,
+    left-padded to the longest (P); [] when no row reuses anything."""
+    width = max(n for _, n in reused)
+    if not width:
+        return []
+    some = next(entry for entry, n in reused if entry is not None and n)  # (shapes for rows without)
+    rows = [(entry or some, n) for entry, n in reused]
+    return [
+        (
+            torch.cat([left_pad(entry.keys[layer][:, :, :n], width, 2) for entry, n in rows]),
+            torch.cat([left_pad(entry.values[layer][:, :, :n], width, 2) for entry, n in rows]),
+        )
+        for layer in range(len(some.keys))
+    ]
+
+
+def common_start(prompts: list[list[int]]) -> int:
+    """How many first tokens all the prompts share, leaving each at least one to prefill."""
+    limit = min(len(p) for p in prompts) - 1
+    shared = 0
+    while shared < limit and all(p[shared] == prompts[0][shared] for p in prompts):
+        shared += 1
+    return shared

@@ -184,7 +184,10 @@ class Trainer:
                 for micro in pack(rows, config.max_tokens_per_microbatch):
                     mb = collate([rows[i] for i in micro], self.device, self.pad_id)
                     lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
-                    _record_logprobs(batch, [k + i * spc for i in micro], lp, mb, total.optimizer_steps == 0)
+                    if config.save_rows:  # for the step's record (the dashboard's token view)
+                        _record_logprobs(
+                            batch, [k + i * spc for i in micro], lp, mb, total.optimizer_steps == 0
+                        )
                     lp_ref = self._reference_logprobs(mb, config) if config.kl_coef > 0 else None
                     terms = policy_loss(
                         lp, mb.behaviour, mb.advantages, mb.mask, mb.weights, normaliser, config, lp_ref
