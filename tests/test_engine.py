@@ -31,6 +31,15 @@ async def collect(engine, prompt, params, n=1):
     return [[c.token_id async for c in s] for s in engine.generate(prompt, params, n)]
 
 
+def greedy_by_full_forwards(model, prompt: list[int], n: int) -> list[int]:
+    """The n greedy tokens after `prompt`, each from a full forward pass over everything so far (no cache)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
 PROMPTS = [[5, 17, 300, 42], [7, 8, 9, 10, 11, 12, 13, 14, 99], [1500], list(range(100, 160))]
 
 
@@ -54,11 +63,7 @@ async def test_a_cache_that_grows_past_its_room_still_matches_transformers_gener
     ids = (await first)[0]
     for prompt, got in ((PROMPTS[0], ids), (PROMPTS[3], second[0])):
         assert len(got) in (150, 40)
-        tokens = list(prompt)
-        with torch.no_grad():  # greedy by full forward passes: no cache at all
-            for _ in got:
-                tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
-        assert tokens[len(prompt) :] == got
+        assert greedy_by_full_forwards(hf_model, prompt, len(got)) == got
 
 
 async def test_seeded_sampling_is_the_same_alone_or_batched(engine):
@@ -171,11 +176,7 @@ async def test_a_continued_prompt_reuses_the_cached_prefix_and_samples_the_same(
     stream = engine.generate(follow_up, greedy, 1)[0]
     choices = [c async for c in stream]
     assert engine.prefix_cache.stats.tokens_reused - before == len(first) + len(sampled) - 1
-    tokens = list(follow_up)
-    with torch.no_grad():
-        for _ in choices:
-            tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    assert [c.token_id for c in choices] == tokens[len(follow_up) :]
+    assert [c.token_id for c in choices] == greedy_by_full_forwards(hf_model, follow_up, len(choices))
     uncached = HFEngine(hf_model, max_context=2048, config=EngineConfig(prefix_cache_bytes=0))
     try:
         plain = [c async for c in uncached.generate(follow_up, greedy, 1)[0]]
@@ -205,11 +206,7 @@ async def test_requests_admitted_together_share_their_common_start(engine, hf_mo
     rest = max(len(p) for p in prompts) - common  # every row computes its last `rest` tokens
     assert engine.prefix_cache.stats.tokens_reused - before == sum(len(p) - rest for p in prompts)
     for prompt, (got,) in zip(prompts, results, strict=True):
-        tokens = list(prompt)
-        with torch.no_grad():
-            for _ in got:
-                tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
-        assert tokens[len(prompt) :] == got
+        assert greedy_by_full_forwards(hf_model, prompt, len(got)) == got
 
 
 async def test_requests_with_different_cached_prefixes_prefill_together(engine, hf_model):
@@ -228,11 +225,7 @@ async def test_requests_with_different_cached_prefixes_prefill_together(engine, 
     rest = max(len(p) - c for p, c in zip(prompts, cached, strict=True))  # the fresh prompt: all of it
     assert engine.prefix_cache.stats.tokens_reused - before == sum(max(0, len(p) - rest) for p in prompts)
     for prompt, got in zip(prompts, results, strict=True):
-        tokens = list(prompt)
-        with torch.no_grad():
-            for _ in got:
-                tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
-        assert tokens[len(prompt) :] == got
+        assert greedy_by_full_forwards(hf_model, prompt, len(got)) == got
 
 
 async def test_reused_prefixes_leave_no_gap_a_sliding_window_would_count():
@@ -269,8 +262,4 @@ async def test_reused_prefixes_leave_no_gap_a_sliding_window_would_count():
     finally:
         await engine.close()
     for prompt, got in zip(prompts, results, strict=True):
-        tokens = list(prompt)
-        with torch.no_grad():
-            for _ in got:
-                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-        assert tokens[len(prompt) :] == got
+        assert greedy_by_full_forwards(model, prompt, len(got)) == got
