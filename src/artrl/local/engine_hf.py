@@ -25,8 +25,10 @@ import torch
 from transformers import DynamicCache
 
 from artrl.config import EngineConfig
+from artrl.local.decode_attention import use_decode_attention
 from artrl.local.engine import SequenceStream
 from artrl.local.kv_cache import BatchCache, left_pad
+from artrl.local.merged_lora import MergedLora
 from artrl.local.prefix_cache import CachedPrefix, PrefixCache, PrefixMatch, common_start, stacked_states
 from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
@@ -96,6 +98,10 @@ class HFEngine:
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self._closed = False
         self._device = next(model.parameters()).device
+        if config.cpu_decode_attention:
+            use_decode_attention(model)
+        merge = config.merge_lora == "always" or (config.merge_lora == "auto" and self._device.type == "cpu")
+        self._lora = MergedLora.of(model) if merge else None  # generation with W + s·B·A (see merged_lora)
         # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps forward
         self._cache_arg = (
@@ -154,6 +160,8 @@ class HFEngine:
             try:
                 self._collect_requests(block=not self._batch.sequences)
                 self._run_jobs()
+                if self._pending or self._batch.sequences:
+                    self._merge_lora()
                 with torch.inference_mode():
                     self._admit()
                     self._drop_finished()
@@ -176,10 +184,22 @@ class HFEngine:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(RuntimeError("engine closed"))
 
+    def _merge_lora(self) -> None:
+        if self._lora is None:
+            return
+        try:
+            self._lora.merge()
+        except Exception as exc:  # (out of memory for the copy, say): generate through the adapter instead
+            log.warning("generating through the adapter: merging it failed (%s: %s)", type(exc).__name__, exc)
+            self._lora.unmerge()
+            self._lora = None
+
     def _run_jobs(self) -> None:
         jobs, self._jobs = self._jobs, []
         if jobs:
             self.prefix_cache.clear()  # a job may change the weights: cached keys and values are stale
+            if self._lora is not None:
+                self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 try:

@@ -2,6 +2,10 @@
 
 Reported logprobs are the model's raw distribution (temperature 1, before top-p), the same convention as
 vLLM's default and what the trainer recomputes; temperature and top-p only shape which token is drawn.
+
+The whole batch is sampled with a handful of tensor operations (no per-row distribution work): each row
+draws one uniform number from its own generator (seeded rows stay reproducible whatever else shares the
+batch) and takes the token where its cumulative distribution passes that number (inverse CDF).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import torch
 
 from artrl.local.engine import SamplingParams, TokenChoice
 
-__all__ = ["SamplingError", "SamplingParams", "TokenChoice", "sample_row", "sample_rows", "top_p_filter"]
+__all__ = ["SamplingError", "SamplingParams", "TokenChoice", "sample_rows", "top_p_filter"]
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM does): 1/T would overflow
@@ -20,28 +24,34 @@ class SamplingError(ValueError):
     """The model's output for one row cannot be sampled from (non-finite logits)."""
 
 
-def sample_row(
-    logits: torch.Tensor,  # (V,) float
-    logprobs: torch.Tensor,  # (V,) log_softmax(logits)
-    params: SamplingParams,
-    generator: torch.Generator | None,  # None = the global RNG
-) -> TokenChoice:
-    if not bool(torch.isfinite(logprobs).any()):
-        raise SamplingError("the model produced no finite logit for this sequence")
-    if params.temperature < GREEDY_BELOW:
-        token = int(torch.argmax(logprobs))
-    else:
-        probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (V,)
-        if params.top_p < 1.0:
-            probs = top_p_filter(probs, params.top_p)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-            raise SamplingError(f"no valid distribution at temperature {params.temperature}")
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    top: tuple[tuple[int, float], ...] = ()
-    if params.top_logprobs > 0:
-        values, indices = torch.topk(logprobs, params.top_logprobs)  # (k,), (k,)
-        top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
-    return TokenChoice(token, float(logprobs[token]), top)
+def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """(B,) one draw in [0, 1) per row from the row's generator (None: the global RNG)."""
+    draws = [torch.rand(1, generator=g, device=g.device if g is not None else device) for g in generators]
+    return torch.cat(draws).to(device)
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token); renormalise.
+
+    probs (..., V); top_p a float or a (...,) tensor of per-row thresholds."""
+    if isinstance(top_p, torch.Tensor):
+        top_p = top_p.unsqueeze(-1)  # (..., 1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # (..., V), (..., V)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)  # (..., V)
+    drop_sorted = cumulative - sorted_probs >= top_p  # (..., V) mass before this token already reaches top_p
+    kept = sorted_probs.masked_fill(drop_sorted, 0.0)  # (..., V)
+    filtered = torch.zeros_like(probs).scatter(-1, order, kept)  # (..., V)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B,) token per row by inverse CDF: probs (B, V) non-negative rows, u (B,) in [0, 1)."""
+    cdf = torch.cumsum(probs, dim=-1)  # (B, V)
+    target = (u * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)  # (B,)
+    # rounding can land on a zero-probability token at the very end: take the likeliest instead
+    missed = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) <= 0  # (B,)
+    return torch.where(missed, probs.argmax(dim=-1), tokens)
 
 
 def sample_rows(
@@ -50,21 +60,37 @@ def sample_rows(
     generators: list[torch.Generator | None],  # len B; None = the global RNG
 ) -> list[TokenChoice | SamplingError]:
     """One token per row; a row that cannot be sampled gives its SamplingError instead (the others go on)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    device = logits.device
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    temperature = torch.tensor([p.temperature for p in params], device=device)  # (B,)
+    greedy = temperature < GREEDY_BELOW  # (B,)
+    probs = torch.softmax(logits / temperature.clamp(min=GREEDY_BELOW).unsqueeze(-1), dim=-1)  # (B, V)
+    top_p = [p.top_p for p in params]
+    if min(top_p) < 1.0:
+        filtered = top_p_filter(probs, torch.tensor(top_p, device=device))  # (B, V)
+        probs = torch.where(torch.tensor(top_p, device=device).unsqueeze(-1) < 1.0, filtered, probs)
+    finite = torch.isfinite(logprobs).any(dim=-1)  # (B,)
+    valid = greedy | (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))  # (B,)
+    safe = torch.where(valid.unsqueeze(-1), probs, torch.ones_like(probs)).nan_to_num(0.0)  # (B, V)
+    drawn = _draw(safe, uniforms(generators, device))  # (B,)
+    tokens = torch.where(greedy, logprobs.argmax(dim=-1), drawn)  # (B,)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B,)
+    k = max(p.top_logprobs for p in params)
+    top_pairs: list[list[tuple[int, float]]] = [[] for _ in params]
+    if k > 0:
+        values, indices = torch.topk(logprobs, k, dim=-1)  # (B, k), (B, k)
+        top_pairs = [
+            list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+        ]
+    rows = zip(tokens.tolist(), chosen.tolist(), finite.tolist(), valid.tolist(), strict=True)
     out: list[TokenChoice | SamplingError] = []
-    for row, p in enumerate(params):
-        try:
-            out.append(sample_row(logits[row], logprobs[row], p, generators[row]))
-        except (SamplingError, RuntimeError) as exc:
-            out.append(exc if isinstance(exc, SamplingError) else SamplingError(str(exc)))
+    for row, (token, logprob, has_finite, ok) in enumerate(rows):
+        p = params[row]
+        if not has_finite:
+            out.append(SamplingError("the model produced no finite logit for this sequence"))
+        elif not ok:
+            out.append(SamplingError(f"no valid distribution at temperature {p.temperature}"))
+        else:
+            out.append(TokenChoice(token, logprob, tuple(top_pairs[row][: p.top_logprobs])))
     return out
-
-
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token); renormalise."""
-    sorted_probs, order = torch.sort(probs, descending=True)  # (V,), (V,)
-    cumulative = torch.cumsum(sorted_probs, dim=-1)  # (V,)
-    drop_sorted = cumulative - sorted_probs >= top_p  # (V,) mass before this token already reaches top_p
-    kept = sorted_probs.masked_fill(drop_sorted, 0.0)  # (V,)
-    filtered = torch.zeros_like(probs).scatter(0, order, kept)  # (V,)
-    return filtered / filtered.sum()

@@ -1,0 +1,72 @@
+"""The embedded engine's batch sampler: right distribution, per-row seeds, top-p and top logprobs per row."""
+
+from __future__ import annotations
+
+import torch
+
+from artrl.local.sampling import SamplingError, SamplingParams, sample_rows, top_p_filter
+
+LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]))  # (V,) one impossible token
+
+
+def _params(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=1, **kwargs)
+
+
+def test_frequencies_follow_the_distribution_and_never_an_impossible_token():
+    rows = 4000
+    logits = LOGITS.expand(rows, -1)  # (B, V)
+    choices = sample_rows(logits, [_params()] * rows, [None] * rows)
+    counts = torch.bincount(torch.tensor([c.token_id for c in choices]), minlength=5).float() / rows
+    assert counts[4] == 0
+    assert torch.allclose(counts[:4], torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    assert all(abs(c.logprob - float(LOGITS[c.token_id])) < 1e-5 for c in choices)
+
+
+def test_temperature_sharpens_and_zero_is_greedy():
+    rows = 2000
+    logits = LOGITS.expand(rows, -1)
+    cold = sample_rows(logits, [_params(temperature=0.25)] * rows, [None] * rows)
+    share = sum(c.token_id == 0 for c in cold) / rows  # 0.5^4 / (0.5^4 + 0.3^4 + ...) ~ 0.88
+    assert 0.83 < share < 0.93
+    greedy = sample_rows(logits[:3], [_params(temperature=0.0)] * 3, [None] * 3)
+    assert [c.token_id for c in greedy] == [0, 0, 0]
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))  # (B, V)
+    alone = [
+        sample_rows(logits[i : i + 1], [_params()], [torch.Generator().manual_seed(7 + i)])[0].token_id
+        for i in range(6)
+    ]
+    together = sample_rows(logits, [_params()] * 6, [torch.Generator().manual_seed(7 + i) for i in range(6)])
+    assert [c.token_id for c in together] == alone
+    shuffled = sample_rows(
+        logits.flip(0), [_params()] * 6, [torch.Generator().manual_seed(7 + i) for i in reversed(range(6))]
+    )
+    assert [c.token_id for c in shuffled][::-1] == alone
+
+
+def test_top_p_applies_per_row_and_top_logprobs_per_row():
+    rows = 1000
+    logits = LOGITS.expand(rows, -1)
+    params = [_params(top_p=0.7, top_logprobs=2) if i % 2 else _params() for i in range(rows)]
+    choices = sample_rows(logits, params, [None] * rows)
+    assert {c.token_id for c in choices[1::2]} == {0, 1}  # top-p 0.7 keeps the two likeliest
+    assert len({c.token_id for c in choices[0::2]}) == 4
+    assert [t for t, _ in choices[1].top_logprobs] == [0, 1] and choices[0].top_logprobs == ()
+    assert abs(choices[1].top_logprobs[1][1] - float(LOGITS[1])) < 1e-5  # raw logprobs, before top-p
+
+
+def test_rows_that_cannot_be_sampled_fail_alone():
+    logits = torch.stack([LOGITS, torch.full((5,), float("nan")), torch.full((5,), float("-inf")), LOGITS])
+    choices = sample_rows(logits, [_params()] * 4, [None] * 4)
+    assert not isinstance(choices[0], SamplingError) and not isinstance(choices[3], SamplingError)
+    assert isinstance(choices[1], SamplingError) and isinstance(choices[2], SamplingError)
+    assert "no finite logit" in str(choices[2])
+
+
+def test_top_p_filter_takes_a_threshold_per_row():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2)
+    out = top_p_filter(probs, torch.tensor([0.7, 1.0]))
+    assert torch.allclose(out, torch.tensor([[0.625, 0.375, 0.0, 0.0], [0.5, 0.3, 0.15, 0.05]]))
