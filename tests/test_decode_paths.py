@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from artrl.local.decode_attention import NAME, decode_attention, use_decode_attention
+from artrl.local.cpu_attention import NAME, _math, cpu_attention, use_cpu_attention
 from artrl.local.merged_lora import MergedLora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -35,11 +35,11 @@ def _attention_inputs(dtype: torch.dtype):
 def test_decode_attention_equals_sdpa(dtype, tolerance):
     query, key, value, mask = _attention_inputs(dtype)
     with torch.inference_mode():
-        ours, _ = decode_attention(_Heads(), query, key, value, mask, scaling=0.2)
+        ours, _ = cpu_attention(_Heads(), query, key, value, mask, scaling=0.2)
         reference, _ = sdpa_attention_forward(
             _Heads(), query.float(), key.float(), value.float(), mask, scaling=0.2
         )
-        unmasked, _ = decode_attention(_Heads(), query, key, value, None)
+        unmasked, _ = cpu_attention(_Heads(), query, key, value, None)
         unmasked_ref, _ = sdpa_attention_forward(_Heads(), query.float(), key.float(), value.float(), None)
     assert ours.shape == reference.shape == (3, 1, 8, 32) and ours.dtype == dtype
     assert torch.allclose(ours.float(), reference, atol=tolerance)
@@ -51,13 +51,43 @@ def test_decode_attention_leaves_prefill_and_training_to_sdpa():
     long_query = torch.randn(3, 8, 5, 32)
     long_mask = torch.ones(3, 1, 5, 40, dtype=torch.bool)
     with torch.inference_mode():
-        ours, _ = decode_attention(_Heads(), long_query, key, value, long_mask)
+        ours, _ = cpu_attention(_Heads(), long_query, key, value, long_mask)
         reference, _ = sdpa_attention_forward(_Heads(), long_query, key, value, long_mask)
     assert torch.equal(ours, reference)  # the very same function did it
     query.requires_grad_(True)
-    out, _ = decode_attention(_Heads(), query, key, value, mask)
+    out, _ = cpu_attention(_Heads(), query, key, value, mask)
     out.sum().backward()
     assert query.grad is not None
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_training_attention_equals_sdpa_with_its_gradients(padded):
+    g = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 8, 12, 32, generator=g, requires_grad=True)
+    key = torch.randn(2, 2, 12, 32, generator=g, requires_grad=True)
+    value = torch.randn(2, 2, 12, 32, generator=g, requires_grad=True)
+    mask = None
+    if padded:  # causal, and the second row's first 3 keys are padding
+        mask = torch.ones(12, 12, dtype=torch.bool).tril().expand(2, 1, 12, 12).clone()
+        mask[1, :, :, :3] = False
+    ours = _math(query, key, value, mask, 0.3)
+    ours.sum().backward()
+    grads = [t.grad.clone() for t in (query, key, value)]
+    for t in (query, key, value):
+        t.grad = None
+    reference, _ = sdpa_attention_forward(_Heads(), query, key, value, mask, scaling=0.3)
+    reference.sum().backward()
+    rows = (
+        slice(None) if not padded else (slice(None), slice(3, None))
+    )  # sdpa gives NaN where nothing is seen
+    assert torch.allclose(ours[rows], reference[rows], atol=1e-5)
+    if not padded:
+        assert all(
+            torch.allclose(a, t.grad, atol=1e-4) for a, t in zip(grads, (query, key, value), strict=True)
+        )
+    half = [t.detach().bfloat16().requires_grad_(True) for t in (query, key, value)]
+    out, _ = cpu_attention(_Heads(), *half, mask, scaling=0.3)  # bf16 with gradients: the same math
+    assert torch.allclose(out[rows].float(), reference[rows], atol=5e-2)
 
 
 def test_a_model_switches_to_the_decode_attention_and_generates_the_same(tiny_model_dir):
@@ -67,10 +97,10 @@ def test_a_model_switches_to_the_decode_attention_and_generates_the_same(tiny_mo
     prompt = torch.tensor([list(range(10, 60))])
     with torch.inference_mode():
         before = model.generate(prompt, max_new_tokens=12, do_sample=False)
-        assert use_decode_attention(model) and model.config._attn_implementation == NAME
+        assert use_cpu_attention(model) and model.config._attn_implementation == NAME
         after = model.generate(prompt, max_new_tokens=12, do_sample=False)
     assert torch.equal(before, after)
-    assert not use_decode_attention(model)  # only from sdpa
+    assert not use_cpu_attention(model)  # only from sdpa
 
 
 def _lora_model(tiny_model_dir, dtype=torch.float32):

@@ -46,7 +46,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.engine_hf": 3,
     "artrl.local.kv_cache": 2,
     "artrl.local.prefix_cache": 2,
-    "artrl.local.decode_attention": 2,  # an attention function registered with transformers
+    "artrl.local.cpu_attention": 2,  # an attention function registered with transformers
     "artrl.local.merged_lora": 2,  # inference weights with the LoRA folded in
     "artrl.local.engine_vllm": 3,
     "artrl.local.vllm_server": 3,

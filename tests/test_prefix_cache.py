@@ -39,3 +39,34 @@ def test_short_prefixes_are_not_kept_and_the_budget_evicts_the_least_recently_us
     assert len(cache) == 3
     cache.clear()
     assert len(cache) == 0 and cache.longest([1] * 11) is None
+
+
+def test_the_block_index_finds_the_same_match_as_a_scan_of_every_entry():
+    """Many entries sharing starts of every length (one system prompt, then agents and turns): the indexed
+    lookup agrees with comparing the prompt against every entry, also after evictions."""
+    import random
+
+    rng = random.Random(0)
+    system = [rng.randrange(1, 50) for _ in range(40)]
+    cache = PrefixCache(max_bytes=100 * 2 * 80 * 16, min_tokens=32)
+    kept: list[list[int]] = []
+    for agent in range(60):
+        ids = system + [agent] + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 60))]
+        for _turn in range(3):
+            cache.put(ids, *states(len(ids)))
+            kept.append(ids)
+            ids = ids + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))]
+    alive = [ids for ids in kept if tuple(ids) in cache._entries]
+    assert 0 < len(alive) < len(kept)  # the budget evicted some
+    for prompt in [*kept[-40:], [*system[:35], 7, 7], [*system, 999, 1, 2], [3] * 50]:
+        prompt = [*prompt, 5]
+        best = max((_shared(e, prompt) for e in alive), default=0)
+        match = cache.longest(prompt)
+        assert (match.length if match else 0) == (best if best >= 32 else 0)
+
+
+def _shared(entry: list[int], prompt: list[int]) -> int:
+    n = 0
+    while n < min(len(entry), len(prompt) - 1) and entry[n] == prompt[n]:
+        n += 1
+    return n

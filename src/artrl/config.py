@@ -141,10 +141,10 @@ class EngineConfig(_Frozen):
         description="embedded engine: keys and values of finished sequences kept for prompts that continue "
         "them (an agent's next call, another rollout of the same prompt); 0 = off. Cleared by training",
     )
-    cpu_decode_attention: bool = Field(
+    cpu_attention: bool = Field(
         default=True,
-        description="embedded engine on CPU: decode steps use artrl's attention (two batched matrix products) "
-        "instead of torch's CPU flash kernel, several times faster there; other steps keep sdpa",
+        description="on CPU, artrl's attention (local/cpu_attention.py) where torch's flash kernel is slow: "
+        "decode steps, and training in bf16/fp16; everything else keeps sdpa",
     )
     merge_lora: Literal["auto", "always", "never"] = Field(
         default="auto",
@@ -284,7 +284,12 @@ class TrainConfig(_Frozen):
     )
     advantage_eps: float = Field(default=1e-6, gt=0)
     max_tokens_per_microbatch: int = Field(default=4096, ge=16)
-    logprob_chunk_size: int = Field(default=512, ge=1, description="positions per lm_head chunk")
+    logprob_chunk_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="positions per lm_head chunk (None: as many as keep a chunk's fp32 logits within "
+        "256 MiB, e.g. ~450 for a 150k vocabulary, all of them for a small one)",
+    )
     steps_per_call: int = Field(default=1, ge=1)
     allow_rendered_turns: bool = Field(
         default=False,
@@ -316,7 +321,7 @@ class SFTConfig(_Frozen):
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     max_tokens_per_microbatch: int = Field(default=4096, ge=16)
-    logprob_chunk_size: int = Field(default=512, ge=1)
+    logprob_chunk_size: int | None = Field(default=None, ge=1, description="as TrainConfig's")
     seed: int = 0
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="template variables for rendering the turns (e.g. enable_thinking)"

@@ -5,6 +5,11 @@ those ids (token-exact continuation), so the engine can skip re-computing the sh
 prefills only its suffix on top of the cached keys and values. The same holds for another rollout of the
 same scenario (same system prompt and tools). Entries are dropped least-recently-used beyond a byte budget,
 and all of them whenever the weights change (a training step).
+
+Lookup is by hashed blocks of tokens (as vLLM's prefix caching): each entry is indexed under the chained
+hash of every full block of its ids, so a prompt's longest cached start is found by walking its own block
+hashes, then comparing exactly only with the few entries at the deepest block it shares, instead of
+scanning every entry (thousands of them for a small model within the byte budget).
 """
 
 from __future__ import annotations
@@ -44,11 +49,25 @@ class PrefixStats:
     tokens_prefilled: int = 0
 
 
+BLOCK_TOKENS = 16  # tokens per hashed block (at most min_tokens)
+
+
+def block_hashes(ids: tuple[int, ...] | list[int], block: int) -> list[int]:
+    """The chained hash of each full block of ids: hashes[i] stands for ids[: (i + 1) * block]."""
+    hashes, h = [], 0
+    for start in range(0, len(ids) - block + 1, block):
+        h = hash((h, tuple(ids[start : start + block])))
+        hashes.append(h)
+    return hashes
+
+
 class PrefixCache:
     def __init__(self, max_bytes: int, min_tokens: int) -> None:
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
+        self.block = max(1, min(BLOCK_TOKENS, min_tokens))
         self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
+        self._index: dict[int, dict[tuple[int, ...], None]] = {}  # block hash -> entries holding that start
         self._bytes = 0
         self.stats = PrefixStats()
 
@@ -67,14 +86,24 @@ class PrefixCache:
         size = entry.nbytes
         if size > self.max_bytes:
             return
-        old = self._entries.pop(entry.ids, None)
-        if old is not None:
-            self._bytes -= old.nbytes
+        if entry.ids in self._entries:
+            self._drop(entry.ids)
         while self._entries and self._bytes + size > self.max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self._bytes -= dropped.nbytes
+            self._drop(next(iter(self._entries)))
         self._entries[entry.ids] = entry
         self._bytes += size
+        for h in block_hashes(entry.ids, self.block):
+            self._index.setdefault(h, {})[entry.ids] = None
+
+    def _drop(self, ids: tuple[int, ...]) -> None:
+        entry = self._entries.pop(ids)
+        self._bytes -= entry.nbytes
+        for h in block_hashes(ids, self.block):
+            holders = self._index.get(h)
+            if holders is not None:
+                holders.pop(ids, None)
+                if not holders:
+                    del self._index[h]
 
     def longest(self, prompt: list[int]) -> PrefixMatch | None:
         """The entry sharing the longest start with the prompt (at least min_tokens), leaving at least one
@@ -82,11 +111,18 @@ class PrefixCache:
         limit = len(prompt) - 1
         if limit < self.min_tokens or not self._entries:
             return None
+        candidates: dict[tuple[int, ...], None] = {}
+        for h in block_hashes(prompt[:limit], self.block):  # the deepest block shared with some entry
+            holders = self._index.get(h)
+            if holders is None:
+                break
+            candidates = holders
         wanted = torch.tensor(prompt[:limit], dtype=torch.long)  # (limit,)
         best: PrefixMatch | None = None
-        for entry in self._entries.values():
+        for ids in candidates:  # (exact comparison: a hash collision shares nothing)
+            entry = self._entries[ids]
             m = min(len(entry.ids), limit)
-            if m < self.min_tokens or (best is not None and m <= best.length) or entry.ids[0] != prompt[0]:
+            if m < self.min_tokens or (best is not None and m <= best.length):
                 continue
             differ = (entry.tensor[:m] != wanted[:m]).nonzero()  # (k, 1)
             shared = int(differ[0, 0]) if len(differ) else m
@@ -98,6 +134,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self._bytes = 0
 
 

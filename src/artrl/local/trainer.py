@@ -45,21 +45,26 @@ def _inner(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits one lm_head chunk may hold when no chunk size is given
+
+
 def token_logprobs(
-    model: Any, batch: MicroBatch, chunk: int, with_entropy: bool = True
+    model: Any, batch: MicroBatch, chunk: int | None, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(token t+1 | tokens ≤ t) and that distribution's entropy, (B, T-1) each, at the positions whose
     target is trainable (`batch.mask`; 0 elsewhere).
 
-    Only those positions go through the lm_head, `chunk` at a time; with more than one chunk each runs
-    under activation checkpointing, so the (positions x vocab) logits never exist at once, forward or
-    backward.
+    Only those positions go through the lm_head, `chunk` at a time (None: as many as LOGITS_CHUNK_BYTES of
+    fp32 logits hold); with more than one chunk each runs under activation checkpointing, so the
+    (positions x vocab) logits never exist at once, forward or backward.
     """
     inner = _inner(model)
     hidden = inner.get_decoder()(
         input_ids=batch.ids, attention_mask=batch.attention
     ).last_hidden_state  # (B,T,H)
     head = inner.get_output_embeddings()
+    if chunk is None:
+        chunk = max(64, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))
     where = batch.mask.nonzero(as_tuple=True)  # ((N,), (N,)) trainable target positions
     picked_hidden = hidden[:, :-1][where]  # (N, H)
     targets = batch.ids[:, 1:][where]  # (N,)

@@ -111,6 +111,8 @@ class ChatFormat:
     detected_by: str  # 'exact' (a real template trl ships), 'markers', 'config' or 'none'
     stop_ids: frozenset[int]
     variables: frozenset[str] = field(default_factory=frozenset)
+    # (text, limit) -> _token_boundary's answer: a forced tool call asks the same each call (bounded)
+    _boundaries: dict[tuple[str, int], str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def for_tokenizer(
@@ -258,12 +260,20 @@ class ChatFormat:
 
     def _token_boundary(self, text: str, limit: int) -> str:
         """The longest prefix of text, at most `limit` long, that ends where a token of `text` ends."""
+        known = self._boundaries.get((text, limit))
+        if known is not None:
+            return known
         whole = self.encode(text, start=False)
+        found = ""
         for end in range(limit, 0, -1):
             ids = self.encode(text[:end], start=False)
             if whole[: len(ids)] == ids:
-                return text[:end]
-        return ""
+                found = text[:end]
+                break
+        if len(self._boundaries) >= 256:
+            self._boundaries.clear()
+        self._boundaries[(text, limit)] = found
+        return found
 
     # ------------------------------------------------------------------ continuation
     def token_text(self, token_id: int) -> str:
