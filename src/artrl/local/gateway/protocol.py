@@ -98,6 +98,7 @@ class ChatRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # variables for the chat template (vLLM's name)
+    ignore_eos: StrictBool | None = None  # vLLM's extension: sample max_tokens, past end-of-turn tokens too
 
 
 _FIELD_NAMES = {

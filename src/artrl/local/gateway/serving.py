@@ -117,7 +117,7 @@ class ChatServing:
             top_p=1.0 if request.top_p is None else float(request.top_p),
             seed=request.seed,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0,
-            stop_token_ids=self.format.stop_ids,
+            stop_token_ids=frozenset() if request.ignore_eos else self.format.stop_ids,
         )
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if any(not s for s in stops):
