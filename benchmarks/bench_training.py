@@ -11,7 +11,7 @@ records the CPU share that other processes used meanwhile). Both run the same wo
     `max_tokens = tokens` and a seed per completion, and reseeds a completion that ends early (the random
     models rarely sample end-of-sequence), so every trained completion has exactly `tokens` tokens;
   - a reward drawn from a seeded RNG (distinct within a group: every advantage is non-zero);
-  - LoRA rank 8, alpha 16, dropout 0 on q,k,v,o,gate,up,down proj; fp32; AdamW lr 1e-5 (constant),
+  - LoRA rank 8, alpha 16, dropout 0 on q,k,v,o,gate,up,down proj; fp32 (--dtype); AdamW lr 1e-5 (constant),
     betas (0.9, 0.999), no weight decay, gradient clipping at 1.0; PPO clip 0.2 / 0.28; no KL term;
     token-level loss normalisation (TRL `loss_type="dapo"`); group-std scaled advantages;
   - one optimizer step per step over all the step's completions (TRL: per_device_train_batch_size =
@@ -60,8 +60,8 @@ sys.path.insert(0, str(HERE))
 from harness import ensure_model, machine_info, write_section  # noqa: E402
 from training_report import (  # noqa: E402
     FRAMEWORKS,
-    SECTION_HEADING,
     FrameworkResult,
+    heading,
     notes,
     ratio_text,
     section,
@@ -101,6 +101,8 @@ class Worker:
             str(args.warmup),
             "--tokens",
             str(args.tokens),
+            "--dtype",
+            args.dtype,
             "--prompts",
             str(args.prompts),
             "--generations",
@@ -184,6 +186,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds", type=int, default=2, help="fresh pairs of subprocesses per preset (default 2)"
     )
     parser.add_argument("--tokens", type=int, default=64, help="completion tokens (default 64)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="base weights of both frameworks (bfloat16: a section of its own in --out)",
+    )
     parser.add_argument("--prompts", type=int, default=2, help="prompts (groups) per step (default 2)")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (default 4)")
     parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads in workers")
@@ -277,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
     print(target_line(all_results).replace("**", ""))
     print(f"wall time: {wall:.0f} s")
-    write_section(args.out, section(all_results, args, info, wall), heading=SECTION_HEADING)
-    print(f"wrote section {SECTION_HEADING!r} of {args.out}")
+    write_section(args.out, section(all_results, args, info, wall), heading=heading(args.dtype))
+    print(f"wrote section {heading(args.dtype)!r} of {args.out}")
     return 0
 
 

@@ -74,7 +74,7 @@ async def artrl_worker(args: argparse.Namespace, folder: Path, gate: Gate) -> di
     steps: list[dict[str, Any]] = []
     reseeds = 0
     with tempfile.TemporaryDirectory(prefix="artrl-bench-train-") as tmp:
-        backend = artrl.LocalBackend(path=tmp)
+        backend = artrl.LocalBackend(path=tmp, engine=artrl.EngineConfig(dtype=args.dtype))
         try:
             model = artrl.TrainableModel(
                 name=f"train-{args.preset}",
@@ -201,7 +201,7 @@ def trl_worker(args: argparse.Namespace, folder: Path, gate: Gate) -> dict[str, 
     completions = args.prompts * args.generations
     rng = random.Random(REWARD_SEED)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype))
     dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": prompt_text(i)}]} for i in range(n_steps * args.prompts)]
     )
