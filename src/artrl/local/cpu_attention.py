@@ -1,10 +1,11 @@
 """Attention for the CPU, registered with transformers under its own name, for the paths where torch's CPU
 flash-attention kernel (what transformers' "sdpa" attention calls) is slow.
 
-- Decode steps (one query per sequence, inference mode) over the engine's growing key/value buffers: the
-  flash kernel takes ~1 ms per layer in fp32 and ~4 ms in bf16 for 32 sequences of 350 tokens on two cores,
-  most of a bf16 decode step. Two batched matrix products over the key/value heads (a group's query heads
-  side by side, so no key or value is repeated; the keys on the left, read in place) take a fraction.
+- Decode steps in bf16/fp16 (one query per sequence, inference mode) over the engine's growing key/value
+  buffers: the flash kernel takes ~4 ms per layer for 32 sequences of 350 tokens on two cores, most of a
+  bf16 decode step. Two batched matrix products over the key/value heads (a group's query heads side by
+  side, so no key or value is repeated; the keys on the left, read in place) take a fraction. (In fp32 the
+  kernel is as fast, or faster for small heads: fp32 decode keeps it.)
 - Training in bf16/fp16 (gradients on): the kernel's backward pass in bf16 took 9 ms per layer on the 27M
   model's GRPO step (8 x 104 tokens), a fifth of the step. Plain attention (scores, softmax in fp32,
   weighted values) is quicker while the score matrix is small; above MATH_SCORES_BYTES, sdpa again.
@@ -50,7 +51,7 @@ def cpu_attention(
         or (attention_mask is not None and attention_mask.dtype != torch.bool)
     )
     scale = scaling if scaling is not None else dim**-0.5
-    if plain and q_length == 1 and not torch.is_grad_enabled():
+    if plain and q_length == 1 and not torch.is_grad_enabled() and query.dtype in _HALF:
         return _decode(query, key, value, attention_mask, scale), None
     small = 4 * batch * heads * q_length * length <= MATH_SCORES_BYTES
     if plain and torch.is_grad_enabled() and query.dtype in _HALF and small:

@@ -128,6 +128,8 @@ class PrefixCache:
             shared = int(differ[0, 0]) if len(differ) else m
             if shared >= self.min_tokens and (best is None or shared > best.length):
                 best = PrefixMatch(entry, shared)
+                if shared == limit:  # (one group's rollouts: many entries hold all of it; any will do)
+                    break
         if best is not None:
             self._entries.move_to_end(best.entry.ids)
         return best

@@ -113,6 +113,9 @@ class ChatFormat:
     variables: frozenset[str] = field(default_factory=frozenset)
     # (text, limit) -> _token_boundary's answer: a forced tool call asks the same each call (bounded)
     _boundaries: dict[tuple[str, int], str] = field(default_factory=dict, repr=False, compare=False)
+    # (text, start) -> encode's ids: a group's rollouts send the same first prompt, a forced call the same
+    # opening (bounded; copies are handed out)
+    _encoded: dict[tuple[str, bool], tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def for_tokenizer(
@@ -208,6 +211,17 @@ class ChatFormat:
 
         `start=False` encodes a piece from the middle of a conversation (after a newline, which is then
         removed, so that a SentencePiece tokenizer adds no word-start space)."""
+        if len(text) > 65536:  # (a long prompt is not kept)
+            return self._encode(text, start)
+        known = self._encoded.get((text, start))
+        if known is None:
+            known = tuple(self._encode(text, start))
+            if len(self._encoded) >= 256:
+                self._encoded.clear()
+            self._encoded[(text, start)] = known
+        return list(known)
+
+    def _encode(self, text: str, start: bool) -> list[int]:
         encode = self.tokenizer
         if start:
             return encode(text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
