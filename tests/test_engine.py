@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from artrl.config import EngineConfig
+from artrl.local.cpu_attention import use_cpu_attention
 from artrl.local.engine_hf import HFEngine
 from artrl.local.sampling import SamplingParams, top_p_filter
 
@@ -250,6 +251,7 @@ async def test_reused_prefixes_leave_no_gap_a_sliding_window_would_count():
         layer_types=["sliding_attention", "sliding_attention"],
     )
     model = Qwen3ForCausalLM(config).eval()
+    assert use_cpu_attention(model)  # (what loading a model does; a directly built one asks itself)
     engine = HFEngine(model, max_context=1024, config=EngineConfig(prefix_cache_min_tokens=8))
     assert model.config._attn_implementation == "artrl_cpu"  # decode steps honour the window too
     try:

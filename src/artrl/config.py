@@ -144,7 +144,7 @@ class EngineConfig(_Frozen):
     cpu_attention: bool = Field(
         default=True,
         description="on CPU, artrl's attention (local/cpu_attention.py) where torch's flash kernel is slow: "
-        "decode steps, and training in bf16/fp16; everything else keeps sdpa",
+        "bf16/fp16 decode steps and training; everything else keeps sdpa (set when the model is loaded)",
     )
     merge_lora: Literal["auto", "always", "never"] = Field(
         default="auto",

@@ -25,7 +25,6 @@ import torch
 from transformers import DynamicCache
 
 from artrl.config import EngineConfig
-from artrl.local.cpu_attention import use_cpu_attention
 from artrl.local.engine import SequenceStream
 from artrl.local.kv_cache import BatchCache, left_pad
 from artrl.local.merged_lora import MergedLora
@@ -98,8 +97,6 @@ class HFEngine:
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self._closed = False
         self._device = next(model.parameters()).device
-        if config.cpu_attention:
-            use_cpu_attention(model)
         merge = config.merge_lora == "always" or (config.merge_lora == "auto" and self._device.type == "cpu")
         self._lora = MergedLora.of(model) if merge else None  # generation with W + s·B·A (see merged_lora)
         # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)

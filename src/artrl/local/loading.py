@@ -51,6 +51,10 @@ def load_model_and_tokenizer(
         raise ValueError(f"{base_model!r} has no chat template; artrl trains chat models")
     model.to(device)
     model.eval()
+    if config.cpu_attention:  # for generation and training alike, whichever engine generates
+        from artrl.local.cpu_attention import use_cpu_attention
+
+        use_cpu_attention(model)
     return model, tokenizer
 
 

@@ -15,7 +15,8 @@ scanning every entry (thousands of them for a small model within the byte budget
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,7 @@ class CachedPrefix:
     ids: tuple[int, ...]  # tokens whose keys and values are held (a prompt + its sampled tokens but the last)
     keys: list[torch.Tensor]  # per layer (1, H, P, D)
     values: list[torch.Tensor]  # per layer (1, H, P, D)
+    hashes: list[int] = field(default_factory=list)  # its block hashes, once it is in a cache's index
 
     def __post_init__(self) -> None:
         self.tensor = torch.tensor(self.ids, dtype=torch.long)  # (P,) for comparing with prompts
@@ -52,13 +54,12 @@ class PrefixStats:
 BLOCK_TOKENS = 16  # tokens per hashed block (at most min_tokens)
 
 
-def block_hashes(ids: tuple[int, ...] | list[int], block: int) -> list[int]:
-    """The chained hash of each full block of ids: hashes[i] stands for ids[: (i + 1) * block]."""
-    hashes, h = [], 0
+def block_hashes(ids: tuple[int, ...] | list[int], block: int) -> Iterator[int]:
+    """The chained hash of each full block of ids, lazily: the i-th stands for ids[: (i + 1) * block]."""
+    h = 0
     for start in range(0, len(ids) - block + 1, block):
         h = hash((h, tuple(ids[start : start + block])))
-        hashes.append(h)
-    return hashes
+        yield h
 
 
 class PrefixCache:
@@ -92,13 +93,14 @@ class PrefixCache:
             self._drop(next(iter(self._entries)))
         self._entries[entry.ids] = entry
         self._bytes += size
-        for h in block_hashes(entry.ids, self.block):
+        entry.hashes = list(block_hashes(entry.ids, self.block))  # (kept: dropping it needs them again)
+        for h in entry.hashes:
             self._index.setdefault(h, {})[entry.ids] = None
 
     def _drop(self, ids: tuple[int, ...]) -> None:
         entry = self._entries.pop(ids)
         self._bytes -= entry.nbytes
-        for h in block_hashes(ids, self.block):
+        for h in entry.hashes:
             holders = self._index.get(h)
             if holders is not None:
                 holders.pop(ids, None)
@@ -117,6 +119,8 @@ class PrefixCache:
             if holders is None:
                 break
             candidates = holders
+        if not candidates:
+            return None
         wanted = torch.tensor(prompt[:limit], dtype=torch.long)  # (limit,)
         best: PrefixMatch | None = None
         for ids in candidates:  # (exact comparison: a hash collision shares nothing)

@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig, VLLMConfig
 from artrl.local.chat_format import ChatFormat
-from artrl.local.cpu_attention import use_cpu_attention
 from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
 from artrl.local.engine_vllm import VLLMEngine
@@ -88,8 +87,6 @@ class LocalService:
 
                 model = PeftModel.from_pretrained(model, str(resume_from))  # frozen: inference only
         model.eval()
-        if engine_config.cpu_attention:  # the trainer's attention too, whichever engine generates
-            use_cpu_attention(model)
         max_context = context_length(model, engine_config)
         if engine_config.kind == "vllm":
             launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -102,6 +102,20 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["name"] = names[m["tool_call_id"]]
         out.append(m)
     return out
+
+
+MEMO_SIZE = 256  # entries each of the chat format's memos keeps (all dropped when full)
+
+
+def _remembered(memo: dict, key: Any, compute: Callable[[], Any]) -> Any:
+    """memo[key], computed on first use; a full memo starts over (bounded, and safe across threads)."""
+    known = memo.get(key)
+    if known is None:
+        known = compute()
+        if len(memo) >= MEMO_SIZE:
+            memo.clear()
+        memo[key] = known
+    return known
 
 
 @dataclass
@@ -213,13 +227,7 @@ class ChatFormat:
         removed, so that a SentencePiece tokenizer adds no word-start space)."""
         if len(text) > 65536:  # (a long prompt is not kept)
             return self._encode(text, start)
-        known = self._encoded.get((text, start))
-        if known is None:
-            known = tuple(self._encode(text, start))
-            if len(self._encoded) >= 256:
-                self._encoded.clear()
-            self._encoded[(text, start)] = known
-        return list(known)
+        return list(_remembered(self._encoded, (text, start), lambda: tuple(self._encode(text, start))))
 
     def _encode(self, text: str, start: bool) -> list[int]:
         encode = self.tokenizer
@@ -274,20 +282,15 @@ class ChatFormat:
 
     def _token_boundary(self, text: str, limit: int) -> str:
         """The longest prefix of text, at most `limit` long, that ends where a token of `text` ends."""
-        known = self._boundaries.get((text, limit))
-        if known is not None:
-            return known
-        whole = self.encode(text, start=False)
-        found = ""
+        return _remembered(self._boundaries, (text, limit), lambda: self._find_boundary(text, limit))
+
+    def _find_boundary(self, text: str, limit: int) -> str:
+        whole = self._encode(text, False)  # (not through the encode memo: these probes would flood it)
         for end in range(limit, 0, -1):
-            ids = self.encode(text[:end], start=False)
+            ids = self._encode(text[:end], False)
             if whole[: len(ids)] == ids:
-                found = text[:end]
-                break
-        if len(self._boundaries) >= 256:
-            self._boundaries.clear()
-        self._boundaries[(text, limit)] = found
-        return found
+                return text[:end]
+        return ""
 
     # ------------------------------------------------------------------ continuation
     def token_text(self, token_id: int) -> str:
