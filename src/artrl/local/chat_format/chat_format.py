@@ -354,9 +354,15 @@ class ChatFormat:
         )
 
     @cached_property
-    def _raw_template(self) -> dict[str, Any] | None:
+    def _raw_template(self) -> Any:
+        """The raw-call response template, compiled once (transformers' ResponseParser would compile its
+        patterns again for every sampled sequence)."""
         template = response_template(self.family.name)
-        return raw_call_template(template) if template is not None else None
+        if template is None:
+            return None
+        from transformers.utils.chat_parsing.response_templates import load_response_template
+
+        return load_response_template(raw_call_template(template))
 
     def output_parser(
         self, prompt_text: str, tools: list[dict[str, Any]] | None, allowed_names: set[str]

@@ -115,7 +115,7 @@ class OutputParser:
     def __init__(
         self,
         template: dict[str, Any] | None,
-        raw_template: dict[str, Any] | None,
+        raw_template: Any,  # a compiled ResponseTemplate (or its dict), None: no call syntax
         prompt_text: str,
         tools: list[dict[str, Any]] | None,
         allowed_names: set[str],
@@ -132,7 +132,7 @@ class OutputParser:
             self._closed = regex.compile(f"(?:{close})\\Z")  # a call counts only once its close marker is out
         self._tools = tools
         self._allowed = allowed_names
-        self._parser = ResponseParser(raw_template, prefix=prompt_text) if raw_template else None
+        self._parser = ResponseParser(raw_template, prefix=prompt_text) if raw_template is not None else None
         self._content, self._reasoning = _Text(False, stop_texts), _Text(True, stop_texts)
         self._call_body = ""
         self.calls: list[ToolCall] = []

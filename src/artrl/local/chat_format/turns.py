@@ -53,13 +53,16 @@ def assistant_span(
     tools: list[dict[str, Any]] | None,
     kwargs: dict[str, Any] | None,
     prompt: str,
+    rendered: str | None = None,
 ) -> str:
     """The text of assistant message `i` as the model writes it after `prompt` (the rendered generation
     prompt): through the token that ends its turn, without what the template adds after that token.
+    `rendered`: messages[: i + 1] rendered without a generation prompt, where the caller has it.
 
     Where adding the turn makes the template re-render earlier history (gpt-oss drops earlier reasoning once a
     final answer follows), the turn is found after the message before it, marked with a sentinel."""
-    rendered = fmt.render(messages[: i + 1], tools, False, kwargs)
+    if rendered is None:
+        rendered = fmt.render(messages[: i + 1], tools, False, kwargs)
     if rendered.startswith(prompt):
         span = rendered[len(prompt) :]
     else:
@@ -116,20 +119,22 @@ def simulate_turns(
     kwargs: dict[str, Any] | None = None,
 ) -> list[Turn]:
     turns: list[Turn] = []
+    closed: dict[int, str] = {}  # i -> messages[: i + 1] rendered without a generation prompt
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         prompt = fmt.render(messages[:i], tools, True, kwargs)
+        closed[i] = fmt.render(messages[: i + 1], tools, False, kwargs)
         ids, source = None, "rendered"
         if turns:
             last = turns[-1]
-            before = fmt.render(messages[: last.index + 1], tools, False, kwargs)
-            text = fmt.continuation_text(before, prompt, last.sampled_ids)
+            text = fmt.continuation_text(closed[last.index], prompt, last.sampled_ids)
             if text is not None:
                 ids = [*last.prompt_ids, *last.sampled_ids, *fmt.encode(text, start=False)]
                 source = "continuation"
         if ids is None:
             ids = fmt.encode(prompt)
-        sampled = fmt.encode(assistant_span(fmt, messages, i, tools, kwargs, prompt), start=False)
+        span = assistant_span(fmt, messages, i, tools, kwargs, prompt, closed[i])
+        sampled = fmt.encode(span, start=False)
         turns.append(Turn(ids, sampled, source, i))  # type: ignore[arg-type]
     return turns

@@ -1,0 +1,195 @@
+"""An httpx transport that hands a client's requests to the gateway in the same process, without a socket.
+
+`model.openai_client()` on a local backend uses it: the real `openai` SDK builds and parses every call as
+usual, but the request goes to the gateway's ASGI app on the gateway's own event loop (its thread) instead of
+through TCP, a connection pool and an HTTP parser on both sides, which on a small machine cost as much CPU
+as the requests themselves and share one interpreter lock with the engine. The gateway cannot tell the
+difference: same routes, same middleware, same disconnect handling (a cancelled or timed-out call is a
+client that went away). Clients built from `model.inference_base_url` keep using HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import importlib
+from collections.abc import AsyncIterator
+from types import ModuleType
+from typing import Any
+
+_END = object()  # the response body is complete
+
+
+def gateway_transport(app: Any, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Any:
+    """A transport for the httpx the `openai` SDK is built on (httpx, or httpx2 from openai 3 on), to `app`
+    (an ASGI app) run on `loop` (the gateway's event loop, in another thread)."""
+    httpx = openai_httpx()
+    transport, _ = _classes(httpx)
+    return transport(httpx, app, loop, (host, port))
+
+
+def openai_httpx() -> ModuleType:
+    """The httpx module the installed `openai` SDK builds its clients on."""
+    import openai
+
+    client = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if not c.__module__.startswith("openai"))
+    return importlib.import_module(client.__module__.split(".")[0])
+
+
+@functools.cache
+def _classes(httpx: ModuleType) -> tuple[type, type]:
+    """The transport and body stream as subclasses of that httpx's own base classes (it checks them)."""
+    transport = type("GatewayTransport", (_Transport, httpx.AsyncBaseTransport), {})
+    body = type("GatewayBody", (_Body, httpx.AsyncByteStream), {})
+    return transport, body
+
+
+class _Transport:
+    def __init__(self, httpx: ModuleType, app: Any, loop: asyncio.AbstractEventLoop, server: tuple) -> None:
+        self._httpx, self._app, self._loop, self._server = httpx, app, loop, server
+
+    async def handle_async_request(self, request: Any) -> Any:
+        httpx = self._httpx
+        timeout = request.extensions.get("timeout", {})
+        read_timeout = timeout.get("read")
+        body = await request.aread()
+        caller = asyncio.get_running_loop()
+        started: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] = caller.create_future()
+        chunks: asyncio.Queue[Any] = asyncio.Queue()
+        exchange = _Exchange(httpx, body, caller, self._loop, started, chunks)
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": request.method,
+            "scheme": request.url.scheme,
+            "path": request.url.path,
+            "raw_path": request.url.raw_path.split(b"?")[0],
+            "query_string": request.url.query,
+            "root_path": "",
+            "headers": [(k.lower(), v) for k, v in request.headers.raw],
+            "server": self._server,
+            "client": ("127.0.0.1", 0),
+        }
+        work = exchange.run(self._app, scope)
+        try:
+            future = asyncio.run_coroutine_threadsafe(work, self._loop)
+        except RuntimeError as exc:  # the gateway's loop is closed
+            work.close()
+            raise httpx.ConnectError(f"the artrl gateway is not running: {exc}", request=request) from None
+        exchange.future = future
+        future.add_done_callback(exchange.finished)
+        try:
+            status, headers = await asyncio.wait_for(started, read_timeout)
+        except TimeoutError:
+            exchange.disconnect()
+            raise httpx.ReadTimeout(f"no response within {read_timeout} s", request=request) from None
+        except BaseException:
+            exchange.disconnect()
+            raise
+        body_stream = _classes(httpx)[1](httpx, exchange, read_timeout, request)
+        return httpx.Response(status, headers=headers, stream=body_stream, request=request)
+
+
+class _Exchange:
+    """One request's two halves: the app's side runs on the gateway loop, the client's on the caller's."""
+
+    def __init__(self, httpx: ModuleType, body: bytes, caller, gateway, started, chunks) -> None:
+        self.httpx = httpx
+        self.body, self.caller, self.gateway, self.started, self.chunks = (
+            body,
+            caller,
+            gateway,
+            started,
+            chunks,
+        )
+        self.future: concurrent.futures.Future | None = None
+        self.gone = asyncio.Event()  # set, and waited for, on the gateway loop: the client went away
+        self.body_sent = self.complete = False
+
+    async def run(self, app, scope) -> None:
+        await app(scope, self.receive, self.send)
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.body_sent:
+            self.body_sent = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
+            self.caller.call_soon_threadsafe(_resolve, self.started, (message["status"], headers))
+        elif kind == "http.response.body":
+            more = message.get("more_body", False)
+            self.caller.call_soon_threadsafe(self.chunks.put_nowait, message.get("body", b""))
+            if not more:
+                self.complete = True
+                self.caller.call_soon_threadsafe(self.chunks.put_nowait, _END)
+
+    def finished(self, future: concurrent.futures.Future) -> None:
+        """The app returned or failed (on the gateway loop): wake the client whatever it waits for."""
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None or not self.complete:
+            failure = self.httpx.RemoteProtocolError(
+                "the artrl gateway closed the request without a complete response"
+                + (f": {type(error).__name__}: {error}" if error is not None else "")
+            )
+            with contextlib.suppress(RuntimeError):  # the client's loop is gone: nobody waits
+                self.caller.call_soon_threadsafe(_fail, self.started, self.chunks, failure)
+
+    def disconnect(self) -> None:
+        """The client went away (cancelled, timed out, or closed the body early)."""
+        if self.complete or self.future is None or self.future.done():
+            return
+        with contextlib.suppress(RuntimeError):  # the gateway stopped
+            self.gateway.call_soon_threadsafe(self.gone.set)
+
+
+def _resolve(started: asyncio.Future, value: Any) -> None:
+    if not started.done():
+        started.set_result(value)
+
+
+def _fail(started: asyncio.Future, chunks: asyncio.Queue, failure: Exception) -> None:
+    if not started.done():
+        started.set_exception(failure)
+    chunks.put_nowait(failure)
+
+
+class _Body:
+    def __init__(
+        self, httpx: ModuleType, exchange: _Exchange, read_timeout: float | None, request: Any
+    ) -> None:
+        self._httpx, self._exchange, self._timeout, self._request = httpx, exchange, read_timeout, request
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while not self._done:
+            try:
+                item = await asyncio.wait_for(self._exchange.chunks.get(), self._timeout)
+            except TimeoutError:
+                self._exchange.disconnect()
+                raise self._httpx.ReadTimeout(
+                    f"no data within {self._timeout} s", request=self._request
+                ) from None
+            except BaseException:
+                self._exchange.disconnect()
+                raise
+            if item is _END:
+                self._done = True
+                return
+            if isinstance(item, Exception):
+                self._done = True
+                raise item
+            if item:
+                yield item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._exchange.disconnect()
