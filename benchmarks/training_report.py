@@ -24,6 +24,9 @@ from training_workers import (
 SECTION_HEADING = "## Training step vs TRL GRPOTrainer (bench_training.py)"
 
 
+AUTOCAST = "; bf16 autocast: artrl's trainer over bf16 weights, TRL's bf16=True"
+
+
 def heading(dtype: str) -> str:
     """fp32 keeps the historical heading; another dtype gets a section of its own."""
     return SECTION_HEADING if dtype == "float32" else f"{SECTION_HEADING[:-1]} --dtype {dtype})"
@@ -232,7 +235,7 @@ def section(
         f"{args.tokens}` and a completion that ends early is resampled with another seed), one chat-template "
         "user prompt each (same prompts for both), reward from a seeded RNG (every advantage non-zero)",
         f"- Settings (both): LoRA r={LORA_RANK}, alpha={LORA_ALPHA:g}, dropout 0 on "
-        f"{', '.join(LORA_TARGETS)}; base weights {args.dtype} (LoRA adapter fp32, PEFT's default); AdamW lr {LEARNING_RATE:g} (constant), betas (0.9, 0.999), "
+        f"{', '.join(LORA_TARGETS)}; base weights {args.dtype} (LoRA adapter fp32, PEFT's default{AUTOCAST if args.dtype == 'bfloat16' else ''}); AdamW lr {LEARNING_RATE:g} (constant), betas (0.9, 0.999), "
         f"weight decay 0, grad-norm clip {MAX_GRAD_NORM:g}; PPO clip {CLIP_LOW} / {CLIP_HIGH}; no KL; token-level "
         "normalisation (TRL `loss_type='dapo'`); group-std advantages; one optimizer step per step (TRL: "
         f"per_device_train_batch_size={args.prompts * args.generations}, gradient_accumulation_steps=1, "

@@ -259,7 +259,8 @@ def trl_worker(args: argparse.Namespace, folder: Path, gate: Gate) -> dict[str, 
         config = GRPOConfig(
             output_dir=tmp,
             use_cpu=True,
-            bf16=False,
+            bf16=args.dtype
+            == "bfloat16",  # its mixed precision (autocast), as artrl's trainer over bf16 weights
             fp16=False,
             learning_rate=LEARNING_RATE,
             lr_scheduler_type="constant",
