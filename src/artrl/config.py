@@ -108,6 +108,29 @@ class VLLMConfig(_Frozen):
     )
 
 
+class LoadConfig(_Frozen):
+    """How the base model is loaded: what `from_pretrained` gets (and vLLM, where it applies)."""
+
+    revision: str | None = Field(
+        default=None, description="a hub model's branch, tag or commit (None: its default branch)"
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="run the Python code a model folder or hub repo ships (its `auto_map`); only models you "
+        "trust, and only when asked",
+    )
+    attn_implementation: str | None = Field(
+        default=None,
+        description="transformers' attention ('sdpa', 'eager', 'flash_attention_2', ...); None: its default, "
+        "with artrl's CPU attention on a CPU (EngineConfig.cpu_attention). Set, it is used as given",
+    )
+    quantization: Literal["none", "4bit"] = Field(
+        default="none",
+        description="4bit: NF4 base weights for LoRA training (QLoRA, bitsandbytes), compute in the engine's "
+        "dtype; needs a CUDA GPU and `pip install bitsandbytes`, and a LoRA adapter",
+    )
+
+
 class EngineConfig(_Frozen):
     """Which engine generates tokens, and its settings.
 
@@ -118,6 +141,7 @@ class EngineConfig(_Frozen):
 
     kind: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    load: LoadConfig = Field(default_factory=LoadConfig)
     max_batch_size: int = Field(default=64, ge=1, description="sequences decoded together at most")
     max_prefill_tokens: int = Field(
         default=16384, ge=1, description="padded prompt tokens one batched prefill holds at most (memory)"
@@ -288,6 +312,11 @@ class TrainConfig(_Frozen):
         "the logprob_mismatch_fraction metric",
     )
     advantage_eps: float = Field(default=1e-6, gt=0)
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="recompute each decoder layer's activations in the backward pass: the activations of one "
+        "layer held instead of all of them, for about a third more compute (long sequences, big models)",
+    )
     max_tokens_per_microbatch: int = Field(default=4096, ge=16)
     logprob_chunk_size: int | None = Field(
         default=None,
@@ -325,6 +354,11 @@ class SFTConfig(_Frozen):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="recompute each decoder layer's activations in the backward pass: the activations of one "
+        "layer held instead of all of them, for about a third more compute (long sequences, big models)",
+    )
     max_tokens_per_microbatch: int = Field(default=4096, ge=16)
     logprob_chunk_size: int | None = Field(default=None, ge=1, description="as TrainConfig's")
     seed: int = 0

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from artrl.config import EngineConfig
+from artrl.config import EngineConfig, LoadConfig
 
 # transformers builds a model under a process-wide "meta device" context (and PEFT wraps modules likewise): two
 # models loading at once in one process (two `register` calls gathered) corrupt each other ("Cannot copy out
@@ -37,25 +37,68 @@ def load_model_and_tokenizer(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = pick_device(config)
+    dtype = pick_dtype(config, device)
+    options = model_options(config, device, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(base_model)
-        model = AutoModelForCausalLM.from_pretrained(
-            weights_from or base_model, dtype=pick_dtype(config, device)
-        )
+        tokenizer = AutoTokenizer.from_pretrained(base_model, **tokenizer_options(config.load))
+        model = AutoModelForCausalLM.from_pretrained(weights_from or base_model, dtype=dtype, **options)
     except OSError as exc:
         raise ValueError(
             f"could not load base_model={base_model!r}: {exc}. Give a Hugging Face model folder "
             "(build one offline with `artrl tiny-model DIR`) or a hub id this machine can download."
         ) from exc
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(
+            f"{base_model!r} ships its own model code; load it only if you trust it, with "
+            "EngineConfig(load=artrl.LoadConfig(trust_remote_code=True))"
+        ) from None
     if tokenizer.chat_template is None:
         raise ValueError(f"{base_model!r} has no chat template; artrl trains chat models")
-    model.to(device)
+    if "quantization_config" not in options:  # (bitsandbytes places quantized weights itself)
+        model.to(device)
     model.eval()
-    if config.cpu_attention:  # for generation and training alike, whichever engine generates
+    if config.cpu_attention and config.load.attn_implementation is None:  # for generation and training
         from artrl.local.cpu_attention import use_cpu_attention
 
         use_cpu_attention(model)
     return model, tokenizer
+
+
+def tokenizer_options(load: LoadConfig) -> dict[str, Any]:
+    return {"revision": load.revision, "trust_remote_code": load.trust_remote_code}
+
+
+def model_options(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments from the engine's LoadConfig (ValueError for a setting this
+    machine cannot honour, saying what would)."""
+    load = config.load
+    options: dict[str, Any] = tokenizer_options(load)
+    if load.attn_implementation is not None:
+        options["attn_implementation"] = load.attn_implementation
+    if load.quantization == "4bit":
+        if device.type != "cuda":
+            raise ValueError(
+                f"LoadConfig(quantization='4bit') needs a CUDA GPU (bitsandbytes' NF4 kernels); this engine runs "
+                f"on {device.type}. On a CPU use EngineConfig(dtype='bfloat16') to halve the weights' memory"
+            )
+        try:
+            from transformers import BitsAndBytesConfig
+        except ImportError as exc:  # pragma: no cover (transformers always has it)
+            raise ValueError(f"4-bit loading is unavailable in this transformers: {exc}") from None
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("LoadConfig(quantization='4bit') needs bitsandbytes: pip install bitsandbytes")
+        options["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        options["device_map"] = {"": device.index or 0}
+    return options
 
 
 def load_tokenizer(model: str) -> Any:

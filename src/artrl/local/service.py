@@ -72,6 +72,11 @@ class LocalService:
 
         `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state."""
         full_weights = lora is None and resume_from is not None
+        if engine_config.load.quantization == "4bit" and lora is None and trainable:
+            raise ValueError(
+                "4-bit base weights (LoadConfig(quantization='4bit')) train only through a LoRA adapter: "
+                "pass lora=artrl.LoraConfig(...) or load the weights unquantized"
+            )
         with LOADING:  # one model built at a time in this process (see LOADING)
             model, tokenizer = load_model_and_tokenizer(
                 base_model, engine_config, str(resume_from) if full_weights else None
@@ -231,6 +236,7 @@ class VLLMLaunch:
             lora_rank=self.lora.rank if self.lora else None,
             dtype=str(pick_dtype(self.engine_config, device)).removeprefix("torch."),
             on_cpu=device.type == "cpu",
+            load=self.engine_config.load,
         )
 
 

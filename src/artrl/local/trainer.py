@@ -256,10 +256,16 @@ class Trainer:
     def _begin(self, config: TrainConfig | SFTConfig) -> None:
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
+        if config.gradient_checkpointing:  # (on for this call only: generation never checkpoints)
+            _inner(self.model).activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()
 
     def _end(self) -> None:
         self.model.eval()
+        inner = _inner(self.model)
+        if inner.is_activation_checkpointing:
+            inner.activation_checkpointing_disable()
+            inner.disable_input_require_grads()  # (its embedding hook would outlive the call otherwise)
         self.optimizer.zero_grad(set_to_none=True)
 
     def _reference_logprobs(self, mb: MicroBatch, config: TrainConfig) -> torch.Tensor:

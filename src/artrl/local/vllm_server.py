@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from artrl.config import VLLMConfig
+from artrl.config import LoadConfig, VLLMConfig
 
 # Runs in vLLM's interpreter: start the server as a child, end the whole group when the parent goes away.
 _WATCHDOG = """
@@ -79,6 +79,19 @@ def lora_rank_limit(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest supported rank (512)")
 
 
+def load_args(load: LoadConfig, full_weights: bool) -> list[str]:
+    """vLLM's flags for the base model's LoadConfig (a full-weights checkpoint is a local folder: no revision;
+    attention is vLLM's own choice)."""
+    args: list[str] = []
+    if load.revision is not None and not full_weights:
+        args += ["--revision", load.revision]
+    if load.trust_remote_code:
+        args += ["--trust-remote-code"]
+    if load.quantization == "4bit":
+        args += ["--quantization", "bitsandbytes"]  # the trainer's NF4 weights, quantized the same way
+    return args
+
+
 class VLLMServer:
     """Start with `VLLMServer.start(...)`; `stop()` (idempotent) leaves no process behind."""
 
@@ -103,6 +116,7 @@ class VLLMServer:
         lora_rank: int | None = None,
         dtype: str = "auto",
         on_cpu: bool = False,
+        load: LoadConfig | None = None,
     ) -> VLLMServer:
         python = find_vllm_python(config.python)
         port = free_port()
@@ -115,6 +129,7 @@ class VLLMServer:
         ]  # fmt: skip
         if tokenizer:
             args += ["--tokenizer", tokenizer]
+        args += load_args(load or LoadConfig(), full_weights=tokenizer is not None)
         if lora_rank is not None:
             rank = config.max_lora_rank or lora_rank_limit(lora_rank)
             args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(config.lora_window)]
