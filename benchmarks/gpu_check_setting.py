@@ -1,0 +1,290 @@
+"""One setting of the GPU check (`gpu_check.py` runs each in a subprocess of its own): a model of a real
+shape with random weights, `--agents` concurrent rollouts and one GRPO step per step, medians of the measured
+steps. See gpu_check.py for the settings, the table and how to run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EXIT_NO_CUDA = 2
+QWEN25_15B_SHAPE = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151_936,
+}
+QWEN25_7B_SHAPE = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152_064,
+}
+SHAPES = {"1.5B": QWEN25_15B_SHAPE, "7B": QWEN25_7B_SHAPE}
+DRY_RUN_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 151_936,
+}
+# dense bf16 tensor-core peaks (FLOP/s), matched against torch.cuda.get_device_name()
+KNOWN_PEAKS = [("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12)]
+MAX_RESEEDS = 20
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def detect_peak(device_name: str, override_tflops: float | None) -> tuple[float | None, str]:
+    if override_tflops is not None:
+        return override_tflops * 1e12, f"--peak-tflops {override_tflops:g}"
+    for key, peak in KNOWN_PEAKS:
+        if key in device_name:
+            return peak, f"{key} dense bf16 ({peak / 1e12:g} TFLOP/s)"
+    return None, "unknown GPU: pass --peak-tflops for MFU"
+
+
+def build_model_folder(folder: Path, shape: dict[str, int], device: str) -> int:
+    """Tiny tokenizer + chat template, and a random-weight Qwen2 model of `shape`; returns its parameters."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import artrl
+
+    artrl.build_tiny_model(folder, "tiny")
+    tiny = json.loads((folder / "config.json").read_text())
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    config = Qwen2Config(
+        **shape,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=tiny["eos_token_id"],
+        pad_token_id=tiny["pad_token_id"],
+        bos_token_id=None,
+        use_sliding_window=False,
+    )
+    with torch.device(device), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    for stale in folder.glob("model*.safetensors*"):
+        stale.unlink()
+    model.generation_config.eos_token_id = tiny["eos_token_id"]
+    model.generation_config.pad_token_id = tiny["pad_token_id"]
+    model.save_pretrained(folder)  # config.json + weights; the tokenizer files stay
+    (folder / "artrl_tiny_model.json").unlink(missing_ok=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return params
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    shape: str  # a key of SHAPES
+    quantization: str = "none"  # LoadConfig.quantization
+    gradient_checkpointing: bool = False
+    engine: str = "hf"  # "vllm": a vLLM server on the same GPU, asleep while the trainer trains
+
+
+SETTINGS = [
+    Setting("1.5B bf16 LoRA", "1.5B"),
+    Setting("1.5B QLoRA", "1.5B", quantization="4bit"),
+    Setting("7B bf16 LoRA, ckpt", "7B", gradient_checkpointing=True),
+    Setting("7B QLoRA, ckpt", "7B", quantization="4bit", gradient_checkpointing=True),
+    Setting("1.5B bf16 LoRA, vLLM sleep", "1.5B", engine="vllm"),
+]
+
+
+def engine_config(setting: Setting, args: argparse.Namespace, device: str) -> Any:
+    import artrl
+
+    vllm = artrl.VLLMConfig(sleep_while_training=True, gpu_memory_utilization=0.4)
+    return artrl.EngineConfig(
+        kind=setting.engine,
+        vllm=vllm,
+        dtype="bfloat16",
+        device=device,
+        max_batch_size=max(64, args.agents),
+        load=artrl.LoadConfig(quantization=setting.quantization),
+    )
+
+
+async def run(setting: Setting, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    import torch
+
+    import artrl
+
+    shape = DRY_RUN_SHAPE if args.dry_run_cpu else SHAPES[setting.shape]
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="artrl-gpu-check-") as tmp:
+        folder = Path(tmp) / "model"
+        started = time.perf_counter()
+        params = build_model_folder(folder, shape, device)
+        log(f"built {params:,}-parameter model ({shape}) in {time.perf_counter() - started:.1f} s")
+        backend = artrl.LocalBackend(path=Path(tmp) / "artrl", engine=engine_config(setting, args, device))
+        try:
+            model = artrl.TrainableModel(
+                name="gpu-check",
+                project="gpu-check",
+                base_model=str(folder),
+                lora=None
+                if args.full_finetune
+                else artrl.LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank),
+            )
+            started = time.perf_counter()
+            await model.register(backend)
+            served = backend.service(model).model
+            trainable = sum(p.numel() for p in served.parameters() if p.requires_grad)
+            log(
+                f"registered in {time.perf_counter() - started:.1f} s on {device} "
+                f"({next(served.parameters()).dtype}); trainable parameters {trainable:,}"
+            )
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            client = model.openai_client()
+            config = artrl.TrainConfig(
+                learning_rate=args.learning_rate, gradient_checkpointing=setting.gradient_checkpointing
+            )
+            steps: list[dict[str, Any]] = []
+            reseeds = 0
+
+            async def complete(messages: list[dict[str, str]], seed: int) -> Any:
+                nonlocal reseeds
+                for attempt in range(MAX_RESEEDS + 1):
+                    response = await client.chat.completions.create(
+                        model=model.name,
+                        messages=messages,
+                        max_tokens=args.tokens,
+                        temperature=1.0,
+                        seed=seed + 7919 * attempt,
+                    )
+                    if response.choices[0].finish_reason == "length":
+                        break
+                    reseeds += 1
+                return response.choices[0]
+
+            try:
+                n_groups = args.agents // args.group_size
+                for step in range(args.warmup + args.steps):
+                    convs = [
+                        [
+                            {
+                                "role": "user",
+                                "content": f"Task {step}-{g}: find the secret number, then report it.",
+                            }
+                        ]
+                        for g in range(n_groups)
+                    ]
+                    t0 = time.perf_counter()
+                    choices = await asyncio.gather(
+                        *(
+                            complete(convs[g], 100_003 * step + 101 * g + k + 1)
+                            for g in range(n_groups)
+                            for k in range(args.group_size)
+                        )
+                    )
+                    rollout_s = time.perf_counter() - t0
+                    completion = [len(c.model_extra["token_ids"]) for c in choices]
+                    prompt = [len(c.model_extra["prompt_token_ids"]) for c in choices]
+                    groups = [
+                        artrl.TrajectoryGroup(
+                            artrl.Trajectory(messages_and_choices=[*convs[g], c], reward=rng.random())
+                            for c in choices[g * args.group_size : (g + 1) * args.group_size]
+                        )
+                        for g in range(n_groups)
+                    ]
+                    t1 = time.perf_counter()
+                    result = await model.train(groups, config=config)
+                    call_s = time.perf_counter() - t1
+                    m = result.metrics
+                    train_s = float(m["train_seconds"])
+                    processed = sum(prompt) + sum(completion)
+                    row = {
+                        "rollout_s": rollout_s,
+                        "rollout_tokens": sum(completion),
+                        "rollout_tok_s": sum(completion) / rollout_s,
+                        "train_s": train_s,
+                        "train_call_s": call_s,
+                        "trainable_tokens": int(m["trainable_tokens"]),
+                        "processed_tokens": processed,
+                        "rows": int(m["rows"]),
+                        "trainable_tok_s": int(m["trainable_tokens"]) / train_s,
+                        "processed_tok_s": processed / train_s,
+                        "loss": float(m.get("loss", float("nan"))),
+                        "grad_norm": float(m.get("grad_norm", float("nan"))),
+                        "mismatch": float(m.get("logprob_mismatch_mean", float("nan"))),
+                    }
+                    steps.append(row)
+                    log(
+                        f"step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if step < args.warmup else ''}: "
+                        f"rollouts {row['rollout_tokens']} tok in {rollout_s:.2f} s = "
+                        f"{row['rollout_tok_s']:,.0f} tok/s; train {train_s:.3f} s "
+                        f"({row['rows']} rows, {row['trainable_tokens']} trainable / {processed} processed "
+                        f"tokens = {row['processed_tok_s']:,.0f} tok/s), train call {call_s:.2f} s, "
+                        f"loss {row['loss']:.3g}, grad norm {row['grad_norm']:.3g}"
+                    )
+            finally:
+                await client.close()
+            peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+        finally:
+            await backend.close()
+    return {
+        "params": params,
+        "trainable": trainable,
+        "steps": steps,
+        "reseeds": reseeds,
+        "peak_mem_gib": peak_mem,
+    }
+
+
+def measure(setting: Setting, args: argparse.Namespace, device: str, peak: float | None) -> dict[str, Any]:
+    """Run one setting; its medians over the measured steps."""
+    started = time.perf_counter()
+    result = asyncio.run(run(setting, args, device))
+    measured = result["steps"][args.warmup :]
+
+    def med(key: str) -> float:
+        return statistics.median(s[key] for s in measured)
+
+    flops_per_s = 6 * result["params"] * med("processed_tok_s")
+    return {
+        "setting": setting.name,
+        "params": result["params"],
+        "trainable_params": result["trainable"],
+        "agents": args.agents,
+        "tokens": args.tokens,
+        "rollout_tok_s": med("rollout_tok_s"),
+        "train_s": med("train_s"),
+        "train_call_s": med("train_call_s"),
+        "step_s": statistics.median(s["rollout_s"] + s["train_call_s"] for s in measured),
+        "trainable_tok_s": med("trainable_tok_s"),
+        "processed_tok_s": med("processed_tok_s"),
+        "model_tflops_6n": flops_per_s / 1e12,
+        "mfu_6n": flops_per_s / peak if peak else None,
+        "mismatch": med("mismatch"),
+        "peak_gpu_mem_gib": result["peak_mem_gib"],
+        "reseeded_completions": result["reseeds"],
+        "wall_s": time.perf_counter() - started,
+        "steps": result["steps"],
+    }
