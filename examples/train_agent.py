@@ -47,6 +47,9 @@ MONITORED = (
     "logprob_mismatch_fraction",
     "train_seconds",
     "weight_sync_seconds",
+    "staleness_mean",
+    "staleness_max",
+    "trajectories_dropped_stale",
 )
 
 
@@ -183,14 +186,15 @@ async def main(args: argparse.Namespace) -> dict:
         val_points = [(0, before["success"], before["reward"])]
 
         scenarios = env.scenarios("train", args.steps * args.groups_per_step, args.seed)
-        config = artrl.TrainConfig(learning_rate=args.lr)
+        # --ahead N: the next N steps' rollouts are gathered while a step trains (N = 0: one after the other);
+        # samples up to N updates old are trained, older ones dropped
+        config = artrl.TrainConfig(learning_rate=args.lr, max_staleness=args.ahead if args.ahead else None)
         history: list[dict] = []
         timings["rollouts"] = timings["training"] = 0.0
-        bar = tqdm(range(args.steps), desc="GRPO", unit="step", dynamic_ncols=True)
-        for step in bar:
-            t = time.perf_counter()
+
+        async def gather_step(step: int) -> list[artrl.TrajectoryGroup]:
             batch = scenarios[step * args.groups_per_step : (step + 1) * args.groups_per_step]
-            groups = await artrl.gather_trajectory_groups(
+            return await artrl.gather_trajectory_groups(
                 (
                     (
                         env.rollout(model, s, seed=args.seed * 10**7 + step * 1000 + k * 50 + j)
@@ -201,7 +205,11 @@ async def main(args: argparse.Namespace) -> dict:
                 pbar=False,  # the GRPO bar below shows the step's reward
                 max_exceptions=0.1,  # a rollout that raises is recorded on its group, up to 10%
             )
-            timings["rollouts"] += time.perf_counter() - t
+
+        bar = tqdm(total=args.steps, desc="GRPO", unit="step", dynamic_ncols=True)
+        t = time.perf_counter()
+        async for step, groups in artrl.rollouts_ahead(gather_step, args.steps, ahead=args.ahead):
+            timings["rollouts"] += time.perf_counter() - t  # (waiting for this step's rollouts)
             t = time.perf_counter()
             result = await model.train(groups, config=config)
             timings["training"] += time.perf_counter() - t
@@ -219,11 +227,14 @@ async def main(args: argparse.Namespace) -> dict:
                 metrics = await evaluate(model, val)
                 val_points.append((step + 1, metrics["success"], metrics["reward"]))
                 timings["validation"] += time.perf_counter() - t
+            bar.update(1)
             bar.set_postfix(
                 reward=f"{result.metrics['reward_mean']:.2f}",
                 success=f"{success:.2f}",
                 val=f"{val_points[-1][1]:.2f}",
             )
+            t = time.perf_counter()
+        bar.close()
         t = time.perf_counter()
         after = await evaluate(model, val)
         timings["validation"] += time.perf_counter() - t
@@ -232,7 +243,11 @@ async def main(args: argparse.Namespace) -> dict:
     total = time.perf_counter() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"seed{args.seed}" + ("" if args.engine == "hf" else f"_{args.engine}")
+    tag = (
+        f"seed{args.seed}"
+        + ("" if args.engine == "hf" else f"_{args.engine}")
+        + (f"_ahead{args.ahead}" if args.ahead else "")
+    )
     curve = out / f"reward_curve_{tag}.png"
     plot(history, val_points, curve, f"maze agent, seed {args.seed}, engine {args.engine}")
     print(f"\n{f'validation ({len(val)} unseen mazes)':<40}{'before':>10}{'after':>10}")
@@ -272,6 +287,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tuning")
     parser.add_argument("--val-size", type=int, default=96)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument(
+        "--ahead",
+        type=int,
+        default=0,
+        help="asynchronous rollouts: steps gathered while one trains (0: none)",
+    )
     parser.add_argument(
         "--pretrain-examples", type=int, default=4096, help="tiny model only: pretraining stand-in (0: none)"
     )

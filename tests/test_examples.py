@@ -142,6 +142,24 @@ def test_train_agent_learns_the_maze(tmp_path):
     assert (seen["split"], seen["step"]) == ("train", "16") and seen["trained_tokens"] > 0
 
 
+@pytest.mark.slow
+def test_train_agent_learns_with_asynchronous_rollouts(tmp_path):
+    """`--ahead 1`: each step's rollouts are gathered while the step before trains (artrl.rollouts_ahead),
+    so from the second step on they are one update old; the demo still learns, and every step's history
+    reports that staleness (none dropped: TrainConfig.max_staleness=1 allows it)."""
+    out = tmp_path / "out"
+    run_train_agent(
+        *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16", "--ahead", "1"),
+        *("--val-size", "48", "--eval-every", "8"),
+        timeout=900,
+    )
+    summary = json.loads((out / "summary_seed0_ahead1.json").read_text())
+    assert summary["after"]["success"] - summary["before"]["success"] >= 0.25, summary["val_points"]
+    staleness = [h["staleness_mean"] for h in summary["history"]]
+    assert staleness[0] == 0 and all(s == 1 for s in staleness[1:]), staleness
+    assert all(h["trajectories_dropped_stale"] == 0 for h in summary["history"])
+
+
 def visit_dashboard(root: Path, out: Path, run: str) -> dict:
     from dashboard_browser import visit
 

@@ -210,19 +210,30 @@ async def test_training_hot_loads_each_adapter_and_resume_serves_the_latest(tiny
         assert served_adapters(engine) == {"tiny@2", "tiny@3"}  # older ones unloaded beyond the window
         # the very next completion of the fixed prompt is the new adapter's: its logprobs are the trainer's
         after = (await client.chat.completions.create(model="tiny", **PROBE)).choices[0]
+        assert (before.model_extra["policy_step"], after.model_extra["policy_step"]) == (0, 3)
         expected = await trainer_logprobs(backend, model, after)
         assert after.model_extra["token_logprobs"] == pytest.approx(expected, abs=1e-4)
         stale = await trainer_logprobs(backend, model, before)
         assert before.model_extra["token_logprobs"] != pytest.approx(stale, abs=1e-3), "training moved them"
         history = [json.loads(line) for line in (path / "v/tiny/history.jsonl").read_text().splitlines()]
         assert all("logprob_mismatch_max" in row for row in history)
+        # asynchronous rollouts: `before` is 3 updates old at step 3, so max_staleness=2 drops it
+        stale_group = artrl.TrajectoryGroup(
+            [
+                artrl.Trajectory(messages_and_choices=[*PROBE["messages"], c], reward=r)
+                for c, r in ((before, 1), (after, 0))
+            ]
+        )
+        dropped = await model.train([stale_group], config=artrl.TrainConfig(max_staleness=2))
+        assert dropped.metrics["trajectories_dropped_stale"] == 1 and dropped.metrics["staleness_max"] == 3
         group = os.getpgid(engine.server.process.pid)
     assert not _group_alive(group), "closing the backend leaves no vLLM process behind"
 
     async with artrl.LocalBackend(path=path, engine=engine_config) as backend:
         again = artrl.TrainableModel(name="tiny", project="v", base_model=str(tiny_model_dir))
         await again.register(backend)
-        assert backend.service(again).engine.target == "tiny@3"  # resumed on the latest adapter
+        # resumed on the latest adapter (step 4 trained nothing: the same weights as step 3)
+        assert backend.service(again).engine.target == "tiny@4"
         resumed = (await again.openai_client().chat.completions.create(model="tiny", **PROBE)).choices[0]
         assert resumed.model_extra["token_ids"] == after.model_extra["token_ids"]
         assert resumed.model_extra["token_logprobs"] == pytest.approx(

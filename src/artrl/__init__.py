@@ -27,6 +27,7 @@ from artrl.gather import GatherError, gather_trajectories, gather_trajectory_gro
 from artrl.langchain_model import langchain_chat_model
 from artrl.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
+from artrl.pipeline import rollouts_ahead
 from artrl.retry import retry
 from artrl.tiny import build_tiny_model, ensure_tiny_model
 from artrl.trajectory import History, Trajectory, TrajectoryGroup
@@ -64,6 +65,7 @@ __all__ = [
     "langchain_chat_model",
     "retry",
     "rewards",
+    "rollouts_ahead",
 ]
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__ below
     from artrl.local.backend import CheckpointError, LocalBackend

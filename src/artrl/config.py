@@ -312,6 +312,13 @@ class TrainConfig(_Frozen):
         "the logprob_mismatch_fraction metric",
     )
     advantage_eps: float = Field(default=1e-6, gt=0)
+    max_staleness: int | None = Field(
+        default=None,
+        ge=0,
+        description="drop trajectories sampled by a policy more than this many steps older than the weights "
+        "being updated (asynchronous rollouts, `artrl.rollouts_ahead`); None keeps all. The step's metrics "
+        "report staleness_mean/max and trajectories_dropped_stale either way",
+    )
     gradient_checkpointing: bool = Field(
         default=False,
         description="recompute each decoder layer's activations in the backward pass: the activations of one "

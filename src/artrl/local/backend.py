@@ -169,14 +169,15 @@ class LocalBackend:
     async def train(
         self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig
     ) -> TrainResult:
-        from artrl.local.batch import build_batch, step_record
+        from artrl.local.batch import build_batch, drop_stale, step_record
 
         service = self.service(model)
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
             await self._write_unsaved(model, service, directory)
+            fresh, staleness, origin = drop_stale(groups, latest_step(directory), config.max_staleness)
             batch = build_batch(
-                groups,
+                fresh,
                 service.chat_format,
                 service.max_context,
                 config.scale_rewards,
@@ -184,10 +185,13 @@ class LocalBackend:
                 config.allow_rendered_turns,
                 config.chat_template_kwargs,
             )
+            batch.locations = [
+                (g, origin[g][t]) for g, t in batch.locations
+            ]  # places in `groups`, as written
             step = latest_step(directory) + 1
             write_trajectories(directory, "train", step, groups)
             started = time.time()
-            metrics = dict(batch.metrics)
+            metrics = {**batch.metrics, **staleness}
             if batch.rows:
                 metrics.update(await service.train_step(batch, config))
             else:

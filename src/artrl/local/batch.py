@@ -9,7 +9,7 @@ from typing import Any
 
 from artrl.local.advantages import group_advantages
 from artrl.local.rows import Row, trajectory_rows
-from artrl.trajectory import TrajectoryGroup
+from artrl.trajectory import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,50 @@ def check_groups(groups: list[TrajectoryGroup]) -> None:
                 raise ValueError(
                     f"group {g}, trajectory {t} has reward {traj.reward}: rewards must be finite numbers"
                 )
+
+
+def policy_step(traj: Trajectory) -> int | None:
+    """The oldest policy step that sampled any of the trajectory's calls (the gateway's `policy_step` on each
+    choice); None when no call says (choices from another server, or recorded before the field existed)."""
+    steps = [
+        c.model_extra.get("policy_step")
+        for history in (traj, *traj.additional_histories)
+        for c in history.choices()
+        if c.model_extra
+    ]
+    known = [s for s in steps if isinstance(s, int)]
+    return min(known) if known else None
+
+
+def drop_stale(
+    groups: list[TrajectoryGroup], current_step: int, max_staleness: int | None
+) -> tuple[list[TrajectoryGroup], dict[str, float], list[list[int]]]:
+    """The groups without trajectories sampled more than `max_staleness` steps before `current_step` (the
+    step of the weights about to be updated; None keeps all), the staleness metrics of the call, and for
+    each group the original places of the trajectories it kept."""
+    staleness: list[int] = []
+    kept_groups, origin, dropped = [], [], 0
+    for group in groups:
+        kept, places = [], []
+        for t, traj in enumerate(group.trajectories):
+            sampled = policy_step(traj)
+            if sampled is not None:
+                staleness.append(max(0, current_step - sampled))
+                if max_staleness is not None and current_step - sampled > max_staleness:
+                    dropped += 1
+                    continue
+            kept.append(traj)
+            places.append(t)
+        origin.append(places)
+        kept_groups.append(
+            group if len(kept) == len(group.trajectories) else group.model_copy(update={"trajectories": kept})
+        )
+    metrics = {
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness_max": float(max(staleness, default=0)),
+        "trajectories_dropped_stale": dropped,
+    }
+    return kept_groups, metrics, origin
 
 
 def build_batch(

@@ -40,6 +40,7 @@ class ChoiceResult:
     finish_reason: str
     prompt: Prompt
     tokens: list[TokenChoice] = field(default_factory=list)
+    policy_step: int = 0  # the step the gateway served when the request arrived (see PreparedRequest)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class PreparedRequest:
     stops: list[str]
     tool_names: set[str]
     one_call: bool  # parallel_tool_calls=false: the turn ends after its first tool call
+    # the step served when the request arrived: the policy that sampled it (the embedded engine may finish a
+    # sequence on newer weights: then the tokens are fresher than this says, never older)
+    policy_step: int = 0
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -79,6 +83,7 @@ class ChatServing:
         """Check the request and build its prompt: rendering and tokenising, the costly part of a request
         before generation. The gateway runs it on its preparation thread (with the builder's own copy of the
         tokenizer), so the event loop keeps serving every other client meanwhile."""
+        policy_step = self.names.step  # (before anything else: a publish may move it meanwhile)
         self.names.check(request.model)
         if request.n > self.max_n:
             raise RequestError(
@@ -133,6 +138,7 @@ class ChatServing:
             stops,
             tool_names if use_tools else set(),
             one_call=use_tools and request.parallel_tool_calls is False,
+            policy_step=policy_step,
         )
 
     def _forced(
@@ -244,7 +250,7 @@ class ChatServing:
         self.builder.remember(
             prepared.messages, prepared.tools, prepared.template_kwargs, message, prepared.prompt.ids, ids
         )
-        yield ChoiceResult(index, message, finish, prepared.prompt, tokens)
+        yield ChoiceResult(index, message, finish, prepared.prompt, tokens, prepared.policy_step)
 
     # ------------------------------------------------------------------ OpenAI shapes
     def logprob_entries(self, tokens: list[TokenChoice]) -> list[dict[str, Any]]:
@@ -263,4 +269,5 @@ class ChatServing:
             "token_ids": [t.token_id for t in result.tokens],
             "token_logprobs": [t.logprob for t in result.tokens],
             "prompt_source": result.prompt.source,
+            "policy_step": result.policy_step,
         }
