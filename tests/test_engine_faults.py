@@ -107,7 +107,8 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
     from concurrent.futures import Future
 
     from artrl.local.engine import SequenceStream
-    from artrl.local.engine_hf import _Job, _Request, _Sequence
+    from artrl.local.engine_hf import _Job
+    from artrl.local.running_batch import Request, RunningSequence
 
     engine = HFEngine(hf_model, max_context=2048, config=EngineConfig())
     release = threading.Event()
@@ -117,7 +118,7 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
     late_job = _Job(lambda: 1, Future())
     late_stream = SequenceStream(asyncio.get_running_loop())
     engine._incoming.put(late_job)  # behind the close's sentinel
-    engine._incoming.put(_Request([1, 2], [_Sequence(late_stream, GREEDY, None)]))
+    engine._incoming.put(Request([1, 2], [RunningSequence(late_stream, GREEDY, None)]))
     release.set()
     await asyncio.wait_for(closing, 10)
     assert busy.result() is True

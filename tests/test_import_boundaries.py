@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.batch": 3,
     "artrl.local.trainer": 3,
     "artrl.local.engine_hf": 3,
+    "artrl.local.running_batch": 2,  # the running batch's prefill and decode steps (engine_hf's)
     "artrl.local.kv_cache": 2,
     "artrl.local.prefix_cache": 2,
     "artrl.local.cpu_attention": 2,  # an attention function registered with transformers

@@ -85,11 +85,11 @@ async def test_storms_of_clients_that_give_up_are_cancelled(fresh_model):
         await asyncio.gather(*(leaves_a_stream(client) for _ in range(64)), *(times_out() for _ in range(64)))
     engine = service.engine
     for _ in range(100):  # every abandoned generation leaves the batch
-        if not engine._batch.sequences and not engine._pending:
+        if not engine._steps.batch.sequences and not engine._steps.pending:
             break
         await asyncio.sleep(0.05)
     drained = time.perf_counter() - started
-    assert not engine._batch.sequences and not engine._pending
+    assert not engine._steps.batch.sequences and not engine._steps.pending
     reply = await fresh_model.openai_client().chat.completions.create(
         model=fresh_model.name, messages=[{"role": "user", "content": "still there?"}], max_tokens=4
     )

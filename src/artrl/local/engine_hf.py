@@ -2,8 +2,8 @@
 
 One engine thread owns the model while generating. Each iteration it (1) admits the requests that arrived
 since the last iteration (a batched, left-padded prefill), merges their KV cache into the running batch,
-then (2) decodes one token for every running sequence. A request never waits for an unrelated long one:
-it joins the running batch at the next token step. The same model object is what the trainer updates,
+then (2) decodes one token for every running sequence (the steps: `running_batch.py`). A request never waits
+for an unrelated long one: it joins the running batch at the next token step. The same model object is what the trainer updates,
 and training runs *on this thread* too (`call`): between two token steps, with one OpenMP thread pool and
 one allocator arena for everything that computes, so generation and training never contend for the model.
 """
@@ -18,67 +18,25 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from artrl.config import EngineConfig
 from artrl.local.engine import SequenceStream
-from artrl.local.kv_cache import BatchCache, left_pad
 from artrl.local.merged_lora import MergedLora
-from artrl.local.prefix_cache import CachedPrefix, PrefixCache, PrefixMatch, common_start, stacked_states
-from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
+from artrl.local.prefix_cache import PrefixCache
+from artrl.local.running_batch import Request, RunningBatch, RunningSequence, fail_sequences
+from artrl.local.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sequence:
-    stream: SequenceStream
-    params: SamplingParams
-    generator: torch.Generator | None
-    generated: int = 0
-    last_token: int = 0
-    position: int = 0  # position id of last_token
-    done: bool = False  # engine side: ended (stop, length or abort) and to be dropped from the batch
-    tokens: list[int] = field(default_factory=list)  # prompt + sampled (for the prefix cache)
-    reusable: bool = False  # ended by stop or length: its keys and values may serve a later prompt
-
-    def finish(self, reason) -> None:
-        if not self.done:
-            self.done = True
-            self.reusable = reason in ("stop", "length")
-            self.stream.end(reason)
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    sequences: list[_Sequence]
 
 
 @dataclass
 class _Job:
     fn: Callable[[], Any]
     future: Future
-
-
-@dataclass
-class _Batch:
-    """Running sequences and their left-padded KV cache. Row i of every tensor belongs to sequences[i]."""
-
-    sequences: list[_Sequence] = field(default_factory=list)
-    cache: BatchCache | None = None  # per layer (B, H_kv, T, D), grown in place by decode steps
-    mask: torch.Tensor | None = None  # (B, T) long, 0 on padding
-
-
-def _fail(sequences: list[_Sequence], message: str, reason: str = "error") -> None:
-    for seq in sequences:
-        if not seq.done:
-            seq.done = True
-            seq.stream.end(reason, message)  # type: ignore[arg-type]
 
 
 class HFEngine:
@@ -88,12 +46,8 @@ class HFEngine:
         self._idle_timeout_s = config.stream_idle_timeout_s
         self.model = model
         self._max_context = max_context
-        self._max_batch_size = config.max_batch_size
-        self._max_prefill_tokens = config.max_prefill_tokens  # padded prompt tokens one prefill may hold
-        self._incoming: queue.SimpleQueue[_Request | _Job | None] = queue.SimpleQueue()
-        self._pending: list[_Request] = []
+        self._incoming: queue.SimpleQueue[Request | _Job | None] = queue.SimpleQueue()
         self._jobs: list[_Job] = []
-        self._batch = _Batch()
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self._closed = False
         self._device = next(model.parameters()).device
@@ -101,8 +55,14 @@ class HFEngine:
         self._lora = MergedLora.of(model) if merge else None  # generation with W + s·B·A (see merged_lora)
         # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps forward
-        self._cache_arg = (
-            "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self._steps = RunningBatch(  # waiting requests and the running batch: the engine thread's alone
+            model,
+            max_context=max_context,
+            max_batch_size=config.max_batch_size,
+            max_prefill_tokens=config.max_prefill_tokens,
+            prefix_cache=self.prefix_cache,
+            cache_arg=cache_arg,
         )
         self._thread = threading.Thread(target=self._run, name="artrl-engine", daemon=True)
         self._thread.start()
@@ -124,8 +84,8 @@ class HFEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self._device).manual_seed((params.seed + i) % 2**64)
-            sequences.append(_Sequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
-        self._incoming.put(_Request(list(prompt_ids), sequences))
+            sequences.append(RunningSequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
+        self._incoming.put(Request(list(prompt_ids), sequences))
         return [s.stream for s in sequences]
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -155,20 +115,21 @@ class HFEngine:
     def _run(self) -> None:
         while not self._closed:
             try:
-                self._collect_requests(block=not self._batch.sequences)
+                steps = self._steps
+                self._collect_requests(block=not steps.batch.sequences)
                 self._run_jobs()
-                if self._pending or self._batch.sequences:
+                if steps.busy:
                     self._merge_lora()
                 with torch.inference_mode():
-                    self._admit()
-                    self._drop_finished()
-                    if self._batch.sequences:
-                        self._decode_step()
-                        self._drop_finished()
+                    steps.admit()
+                    steps.drop_finished()
+                    if steps.batch.sequences:
+                        steps.decode_step()
+                        steps.drop_finished()
             except Exception as exc:  # never let one bad batch kill the engine thread
                 log.exception("engine step failed")  # the running batch is lost; queued requests are not
-                self._fail_running(f"{type(exc).__name__}: {exc}")
-        self._fail_all("engine closed", reason="abort")
+                self._steps.fail_running(f"{type(exc).__name__}: {exc}")
+        self._steps.fail_all("engine closed", reason="abort")
         # what was queued behind the close (a call that raced it) fails too: nothing waits forever
         with contextlib.suppress(queue.Empty):
             while True:
@@ -176,7 +137,7 @@ class HFEngine:
                 if isinstance(item, _Job):
                     self._jobs.append(item)
                 elif item is not None:
-                    _fail(item.sequences, "engine closed", "abort")
+                    fail_sequences(item.sequences, "engine closed", "abort")
         for job in self._jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(RuntimeError("engine closed"))
@@ -210,252 +171,9 @@ class HFEngine:
         except queue.Empty:
             return
         while item is not None:
-            (self._jobs if isinstance(item, _Job) else self._pending).append(item)
+            (self._jobs if isinstance(item, _Job) else self._steps.pending).append(item)
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
                 return
         self._closed = True
-
-    def _fail_all(self, message: str, reason: str = "error") -> None:
-        _fail([s for r in self._pending for s in r.sequences], message, reason)
-        self._pending = []
-        self._fail_running(message, reason)
-
-    def _fail_running(self, message: str, reason: str = "error") -> None:
-        _fail(self._batch.sequences, message, reason)
-        self._batch = _Batch()
-
-    def _admit(self) -> None:
-        """Prefill waiting requests into the batch: as many as fit in its free rows and in the prefill token
-        budget (prompts are left-padded to the longest), always at least one when a row is free."""
-        room = self._max_batch_size - len(self._batch.sequences)
-        admitted: list[_Request] = []
-        longest = 0
-        while self._pending and (room >= len(self._pending[0].sequences) or (not admitted and room > 0)):
-            request = self._pending[0]
-            padded = max(longest, len(request.prompt_ids)) * (len(admitted) + 1)
-            if admitted and padded > self._max_prefill_tokens:
-                break
-            self._pending.pop(0)
-            if all(s.stream.aborted for s in request.sequences):
-                for s in request.sequences:
-                    s.finish("abort")
-                continue
-            room -= len(request.sequences)
-            admitted.append(request)
-            longest = max(longest, len(request.prompt_ids))
-        if admitted:
-            self._prefill_isolated(admitted, self._prefix_matches(admitted))
-
-    def _prefix_matches(self, requests: list[_Request]) -> list[PrefixMatch | None]:
-        """Each request's longest cached start; requests without one that start alike (one scenario's
-        rollouts, one system prompt and tool list) get their common start computed once and cached."""
-        if not self.prefix_cache.enabled:
-            return [None] * len(requests)
-        matches = [self.prefix_cache.longest(r.prompt_ids) for r in requests]
-        unmatched = [r.prompt_ids for r, m in zip(requests, matches, strict=True) if m is None]
-        if len(unmatched) < 2:
-            return matches
-        shared = common_start(unmatched)
-        if shared < self.prefix_cache.min_tokens:
-            return matches
-        ids = unmatched[0][:shared]
-        row = torch.tensor([ids], device=self._device)  # (1, P)
-        positions = torch.arange(shared, device=self._device)[None]  # (1, P)
-        _, keys, values = self._prefill_forward(row, torch.ones_like(row), positions, [(None, 0)])
-        self.prefix_cache.put(ids, keys, values)
-        common = PrefixMatch(CachedPrefix(tuple(ids), keys, values), shared)
-        return [m if m is not None else common for m in matches]
-
-    def _prefill_isolated(self, requests: list[_Request], matches: list[PrefixMatch | None]) -> None:
-        """Prefill the requests together; if that fails (out of memory on a long prompt, say), each on its
-        own, so that only a request whose own prefill fails ends with an error."""
-        try:
-            self._prefill(requests, matches)
-            return
-        except Exception as exc:
-            if len(requests) == 1:
-                log.warning("prefill failed: %s: %s", type(exc).__name__, exc)
-                _fail(requests[0].sequences, f"{type(exc).__name__}: {exc}")
-                return
-            log.warning("a batched prefill failed (%s: %s); prefilling one by one", type(exc).__name__, exc)
-        for request in requests:
-            self._prefill_isolated([request], [None])
-
-    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
-        """Logits (B, V) of the last position; the keys and values of input_ids are appended to `cache`."""
-        out = self.model(
-            input_ids=input_ids,  # (B, L)
-            attention_mask=mask,  # (B, T_past + L)
-            position_ids=positions,  # (B, L)
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_arg: cache},
-        )
-        return out.logits[:, -1, :]
-
-    def _prefill_forward(self, input_ids, mask, positions, reused: list[tuple[CachedPrefix | None, int]]):
-        """Logits (R, V) and per-layer keys and values (R, H, P + S, D): input_ids (R, S) after each row's
-        first n cached tokens of its entry (left-padded to the longest; none: a fresh forward)."""
-        past = stacked_states(reused)
-        cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()  # (fresh tensors)
-        logits = self._forward(input_ids, mask, positions, cache)
-        return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
-
-    def _prefill(self, requests: list[_Request], matches: list[PrefixMatch | None]) -> None:
-        """The requests' prompts in one forward, left-padded; a row with a cached prefix computes only the
-        last S tokens of its prompt (S: what the row with the least cached must compute) on top of the cached
-        states of the rest, so every row's tokens stay contiguous (no padding between them, which a
-        sliding-window layer would count as tokens)."""
-        lengths = [len(r.prompt_ids) for r in requests]
-        cached = [m.length if m is not None else 0 for m in matches]
-        rest = max(n - c for n, c in zip(lengths, cached, strict=True))  # S
-        reuse = [max(0, n - rest) for n in lengths]  # <= cached: each row's rest is exactly S tokens
-        width = max(reuse)
-        ids = torch.zeros((len(requests), rest), dtype=torch.long)  # (R, S)
-        mask = torch.zeros((len(requests), width + rest), dtype=torch.long)  # (R, P + S)
-        for row, (r, n) in enumerate(zip(requests, reuse, strict=True)):
-            tail = r.prompt_ids[n:]
-            ids[row, rest - len(tail) :] = torch.tensor(tail)
-            mask[row, width + rest - len(tail) - n :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width:]  # (R, S)
-        reused = [(m.entry if m is not None else None, n) for m, n in zip(matches, reuse, strict=True)]
-        logits, keys, values = self._prefill_forward(
-            ids.to(self._device), mask.to(self._device), positions.to(self._device), reused
-        )
-        stats = self.prefix_cache.stats
-        stats.hits += sum(1 for n in reuse if n)
-        stats.tokens_reused += sum(reuse)
-        stats.tokens_prefilled += sum(lengths) - sum(reuse)
-        # expand each request's row to its n sequences
-        fanout = torch.tensor([len(r.sequences) for r in requests], device=self._device)  # (R,)
-        logits = logits.repeat_interleave(fanout, dim=0)  # (S, V)
-        keys = [k.repeat_interleave(fanout, dim=0) for k in keys]  # (S, H, L, D)
-        values = [v.repeat_interleave(fanout, dim=0) for v in values]
-        mask = mask.to(self._device).repeat_interleave(fanout, dim=0)  # (S, L)
-        sequences = [s for r in requests for s in r.sequences]
-        for r in requests:
-            for s in r.sequences:
-                s.position = len(r.prompt_ids) - 1  # the first sampled token lands at len(prompt)
-                if self.prefix_cache.enabled:
-                    s.tokens = list(r.prompt_ids)
-        self._merge(sequences, keys, values, mask)
-        self._emit(sequences, logits)
-
-    def _merge(self, sequences, keys, values, mask) -> None:
-        batch = self._batch
-        if not batch.sequences or batch.cache is None:
-            self._batch = _Batch(list(sequences), BatchCache.from_states(keys, values), mask)
-            return
-        length = max(batch.mask.shape[1], mask.shape[1])
-        batch.cache = batch.cache.merged(keys, values)
-        batch.mask = torch.cat([left_pad(batch.mask, length, 1), left_pad(mask, length, 1)])
-        batch.sequences.extend(sequences)
-
-    def _decode_step(self) -> None:
-        batch = self._batch
-        assert batch.cache is not None
-        ids = torch.tensor([[s.last_token] for s in batch.sequences], device=self._device)  # (B, 1)
-        positions = torch.tensor([[s.position] for s in batch.sequences], device=self._device)  # (B, 1)
-        mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.sequences), 1))], dim=1)  # (B, T+1)
-        before = batch.cache.length
-        try:
-            logits = self._forward(ids, mask, positions, batch.cache.cache())
-        except Exception as exc:
-            batch.cache.truncate(before)  # layers before the failure appended their column
-            if len(batch.sequences) == 1:
-                raise
-            log.warning("a batched decode step failed (%s: %s); decoding row by row", type(exc).__name__, exc)
-            self._decode_rows(ids, positions, mask)
-            return
-        batch.mask = mask
-        self._emit(batch.sequences, logits)
-
-    def _decode_rows(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
-        """The step again, one sequence at a time: a sequence whose step still fails ends with an error, the
-        others keep their place in the batch."""
-        batch = self._batch
-        assert batch.cache is not None
-        kept, logits, keys, values = [], [], [], []
-        for row, seq in enumerate(batch.sequences):
-            one = slice(row, row + 1)
-            past = [
-                (k[one], v[one])
-                for k, v in zip(batch.cache.key_states(), batch.cache.value_states(), strict=True)
-            ]
-            cache = DynamicCache(ddp_cache_data=past)  # (a copy of this row's states)
-            try:
-                logits.append(self._forward(ids[one], mask[one], positions[one], cache))
-            except Exception as exc:
-                _fail([seq], f"{type(exc).__name__}: {exc}")
-                continue
-            kept.append(row)
-            keys.append([layer.keys for layer in cache.layers])
-            values.append([layer.values for layer in cache.layers])
-        sequences = [batch.sequences[i] for i in kept]
-        if not sequences:
-            self._batch = _Batch()
-            return
-        self._batch = _Batch(
-            sequences,
-            BatchCache.from_states(
-                [torch.cat(layer) for layer in zip(*keys, strict=True)],  # per layer (B', H, T+1, D)
-                [torch.cat(layer) for layer in zip(*values, strict=True)],
-            ),
-            mask[torch.tensor(kept, device=mask.device)],  # (B', T+1)
-        )
-        self._emit(sequences, torch.cat(logits))  # (B', V)
-
-    def _emit(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
-        """Sample one token per sequence from logits (S, V), push it, and mark finished sequences."""
-        choices = sample_rows(logits, [s.params for s in sequences], [s.generator for s in sequences])
-        for seq, choice in zip(sequences, choices, strict=True):
-            if seq.done or seq.stream.aborted:
-                continue
-            if isinstance(choice, SamplingError):
-                _fail([seq], str(choice))
-                continue
-            seq.stream.push(choice)
-            seq.generated += 1
-            if self.prefix_cache.enabled:
-                seq.tokens.append(choice.token_id)
-            seq.last_token = choice.token_id
-            seq.position += 1
-            if choice.token_id in seq.params.stop_token_ids:
-                seq.finish("stop")
-            elif seq.generated >= seq.params.max_tokens or seq.position + 1 >= self._max_context:
-                seq.finish("length")
-
-    def _remember(self, batch: _Batch, rows: list[int]) -> None:
-        """Copy finished rows' keys and values into the prefix cache: their prompt + sampled tokens but the
-        last sampled one (never fed back, so it has none). A row's tokens are its last columns (rows are
-        left-padded), so they are counted, not searched."""
-        assert batch.cache is not None and batch.mask is not None
-        counts = batch.mask.sum(1).tolist()  # (B,) each row's tokens in the cache
-        width = batch.mask.shape[1]
-        for row in rows:
-            tokens = batch.sequences[row].tokens[: counts[row]]
-            if len(tokens) == counts[row]:  # (always: every unmasked column is a token of the sequence)
-                self.prefix_cache.put(tokens, *batch.cache.row_states(row, width - counts[row]))
-
-    def _drop_finished(self) -> None:
-        batch = self._batch
-        for s in batch.sequences:
-            if s.stream.aborted:
-                s.finish("abort")
-        keep = [i for i, s in enumerate(batch.sequences) if not s.done]
-        if len(keep) == len(batch.sequences):
-            return
-        if self.prefix_cache.enabled and batch.cache is not None:
-            self._remember(batch, [i for i, s in enumerate(batch.sequences) if s.done and s.reusable])
-        if not keep:
-            self._batch = _Batch()
-            return
-        index = torch.tensor(keep, device=self._device)
-        mask = batch.mask.index_select(0, index)  # (B', T)
-        first_used = int((mask.sum(0) > 0).nonzero()[0])  # drop padding columns no row needs any more
-        batch.sequences = [batch.sequences[i] for i in keep]
-        batch.mask = mask[:, first_used:]
-        assert batch.cache is not None
-        batch.cache = batch.cache.selected(index, first_used)
