@@ -208,7 +208,10 @@ async def main(args: argparse.Namespace) -> dict:
 
         bar = tqdm(total=args.steps, desc="GRPO", unit="step", dynamic_ncols=True)
         t = time.perf_counter()
-        async for step, groups in artrl.rollouts_ahead(gather_step, args.steps, ahead=args.ahead):
+        steps = await stack.enter_async_context(  # (closed on any exit: steps gathered ahead are cancelled)
+            contextlib.aclosing(artrl.rollouts_ahead(gather_step, args.steps, ahead=args.ahead))
+        )
+        async for step, groups in steps:
             timings["rollouts"] += time.perf_counter() - t  # (waiting for this step's rollouts)
             t = time.perf_counter()
             result = await model.train(groups, config=config)

@@ -76,6 +76,25 @@ async def test_a_failing_step_raises_in_turn_and_leaving_early_cancels_the_rest(
             pass
 
 
+async def test_closing_the_steps_cancels_what_runs_ahead_at_once():
+    import contextlib
+
+    cancelled: list[int] = []
+
+    async def gather(k: int) -> int:
+        try:
+            await asyncio.sleep(0 if k == 0 else 10)
+            return k
+        except asyncio.CancelledError:
+            cancelled.append(k)
+            raise
+
+    async with contextlib.aclosing(artrl.rollouts_ahead(gather, steps=5, ahead=2)) as steps:
+        async for _step in steps:
+            break  # (a training step that raised, say)
+    assert sorted(cancelled) == [1, 2]  # both steps running ahead, cancelled as the block closed
+
+
 async def _group(model, seed: int, n: int = 2) -> artrl.TrajectoryGroup:
     client = model.openai_client()
     trajectories = []
@@ -106,5 +125,16 @@ async def test_choices_record_their_policy_step_and_training_drops_stale_ones(fr
     assert dropped.metrics["trajectories_dropped_stale"] == 2 and dropped.metrics["staleness_max"] == 2
     assert dropped.metrics["rows"] == 2 and dropped.metrics["groups_skipped_too_small"] == 1
     # every trajectory is still in the step's record, the dropped ones included
+    # a bad reward is refused even on a trajectory the call would drop as stale
+    bad = old.model_copy(
+        update={
+            "trajectories": [
+                old.trajectories[0].model_copy(update={"reward": float("nan")}),
+                old.trajectories[1],
+            ]
+        }
+    )
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        await model.train([bad, fresh], artrl.TrainConfig(max_staleness=0))
     history = artrl.storage.read_history(model._backend.directory(model))
     assert [h["staleness_max"] for h in history if h["split"] == "train"] == [0, 1, 2]

@@ -5,6 +5,7 @@ error once the gateway is gone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import openai
 import pytest
@@ -87,6 +88,36 @@ async def test_a_client_timeout_stops_the_generation(slow):
             break
         await asyncio.sleep(0.05)
     assert stream.aborted
+
+
+async def test_a_caller_whose_loop_closed_costs_the_gateway_no_error(slow, caplog):
+    """A call timed out inside its own `asyncio.run` (a synchronous wrapper, a script): its loop is closed by
+    the time the gateway answers the disconnect; the gateway drops that answer quietly."""
+    import threading
+
+    httpx2 = openai_httpx()
+    engine, service = slow
+    transport = service.server.transport()
+
+    async def call() -> None:
+        async with httpx2.AsyncClient(transport=transport, timeout=0.3) as client:
+            with contextlib.suppress(httpx2.ReadTimeout):
+                await client.post(
+                    "http://gateway/v1/chat/completions",
+                    json={"model": "slow", "messages": MESSAGES, "max_tokens": 2000},
+                )
+
+    thread = threading.Thread(target=lambda: asyncio.run(call()))
+    thread.start()
+    thread.join(10)
+    (stream,) = engine.streams
+    for _ in range(40):
+        if stream.aborted:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # the route's 499 goes to the closed loop
+    assert stream.aborted
+    assert not [r for r in caplog.records if "unexpected gateway error" in r.getMessage()]
 
 
 async def test_a_stream_closed_early_stops_the_generation(slow):

@@ -111,6 +111,7 @@ class TrainableModel(BaseModel):
         """Load the model in `backend` and start serving it."""
         self._base_url, self._api_key = await backend.register(self)
         self._backend = backend
+        self._clients.clear()  # (a client of an earlier registration may hold a transport to a stopped server)
 
     def _require_backend(self) -> Backend:
         if self._backend is None:

@@ -1,7 +1,11 @@
 """Asynchronous rollouts: the next steps' rollouts are gathered while the current step trains.
 
-    async for step, groups in artrl.rollouts_ahead(gather_step, steps=40, ahead=1):
-        await model.train(groups, config=artrl.TrainConfig(max_staleness=1))
+    async with contextlib.aclosing(artrl.rollouts_ahead(gather_step, steps=40, ahead=1)) as steps:
+        async for step, groups in steps:
+            await model.train(groups, config=artrl.TrainConfig(max_staleness=1))
+
+(`contextlib.aclosing`: leaving the loop early, by `break` or an exception, then cancels the steps running
+ahead at once; a bare `async for` leaves that to the generator's garbage collection.)
 
 `gather_step(k)` is the caller's own code for step k (usually `artrl.gather_trajectory_groups` over that
 step's scenarios). Step k's groups are yielded in order; meanwhile up to `ahead` later steps are being
@@ -34,8 +38,9 @@ async def rollouts_ahead(
     (step k + ahead starts once the caller has trained step k - 1, so its samples are `ahead` updates old
     when they are trained).
 
-    A failing step raises here when its turn comes (the steps gathered ahead are cancelled); leaving the loop
-    early cancels them too."""
+    A failing step raises here when its turn comes (the steps gathered ahead are cancelled); closing the
+    generator (`contextlib.aclosing`, see the module's docstring) cancels them too. The staleness bound holds
+    when the caller trains once per step."""
     if steps < 0 or ahead < 0:
         raise ValueError(f"steps={steps} and ahead={ahead} must be >= 0")
     running: dict[int, asyncio.Task[T]] = {}

@@ -169,13 +169,20 @@ class LocalBackend:
     async def train(
         self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig
     ) -> TrainResult:
-        from artrl.local.batch import build_batch, drop_stale, step_record
+        from artrl.local.batch import build_batch, check_groups, drop_stale, step_record
 
         service = self.service(model)
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
             await self._write_unsaved(model, service, directory)
+            check_groups(groups)  # (every trajectory, the stale ones too: they are written below)
             fresh, staleness, origin = drop_stale(groups, latest_step(directory), config.max_staleness)
+            if staleness["trajectories_dropped_stale"] and not any(g.trajectories for g in fresh):
+                log.warning(
+                    "every trajectory of this step was sampled more than max_staleness=%s steps ago: nothing is "
+                    "trained (with artrl.rollouts_ahead(ahead=k), set TrainConfig(max_staleness=k) or more)",
+                    config.max_staleness,
+                )
             batch = build_batch(
                 fresh,
                 service.chat_format,

@@ -15,6 +15,8 @@ import concurrent.futures
 import contextlib
 import functools
 import importlib
+import threading
+import weakref
 from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any
@@ -22,12 +24,37 @@ from typing import Any
 _END = object()  # the response body is complete
 
 
-def gateway_transport(app: Any, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Any:
+class Exchanges:
+    """The requests in flight through the in-process transports of one gateway: refused once it stops, and
+    any the stopping gateway dropped are failed (their callers would otherwise wait for their timeouts)."""
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[_Exchange] = weakref.WeakSet()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def add(self, exchange: _Exchange) -> bool:
+        with self._lock:
+            if not self._closed:
+                self._live.add(exchange)
+            return not self._closed
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            live = list(self._live)
+        for exchange in live:
+            exchange.abandon("the artrl gateway stopped before answering")
+
+
+def gateway_transport(
+    app: Any, loop: asyncio.AbstractEventLoop, host: str, port: int, exchanges: Exchanges
+) -> Any:
     """A transport for the httpx the `openai` SDK is built on (httpx, or httpx2 from openai 3 on), to `app`
     (an ASGI app) run on `loop` (the gateway's event loop, in another thread)."""
     httpx = openai_httpx()
     transport, _ = _classes(httpx)
-    return transport(httpx, app, loop, (host, port))
+    return transport(httpx, app, loop, (host, port), exchanges)
 
 
 def openai_httpx() -> ModuleType:
@@ -47,8 +74,16 @@ def _classes(httpx: ModuleType) -> tuple[type, type]:
 
 
 class _Transport:
-    def __init__(self, httpx: ModuleType, app: Any, loop: asyncio.AbstractEventLoop, server: tuple) -> None:
+    def __init__(
+        self,
+        httpx: ModuleType,
+        app: Any,
+        loop: asyncio.AbstractEventLoop,
+        server: tuple,
+        exchanges: Exchanges,
+    ) -> None:
         self._httpx, self._app, self._loop, self._server = httpx, app, loop, server
+        self._exchanges = exchanges
 
     async def handle_async_request(self, request: Any) -> Any:
         httpx = self._httpx
@@ -73,6 +108,8 @@ class _Transport:
             "server": self._server,
             "client": ("127.0.0.1", 0),
         }
+        if not self._exchanges.add(exchange):
+            raise httpx.ConnectError("the artrl gateway is not running (it stopped)", request=request)
         work = exchange.run(self._app, scope)
         try:
             future = asyncio.run_coroutine_threadsafe(work, self._loop)
@@ -120,16 +157,23 @@ class _Exchange:
         return {"type": "http.disconnect"}
 
     async def send(self, message: dict[str, Any]) -> None:
+        if self.gone.is_set():  # the client went away: nobody reads what the app still sends
+            return
         kind = message["type"]
         if kind == "http.response.start":
             headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
-            self.caller.call_soon_threadsafe(_resolve, self.started, (message["status"], headers))
+            self._deliver(_resolve, self.started, (message["status"], headers))
         elif kind == "http.response.body":
             more = message.get("more_body", False)
-            self.caller.call_soon_threadsafe(self.chunks.put_nowait, message.get("body", b""))
+            self._deliver(self.chunks.put_nowait, message.get("body", b""))
             if not more:
                 self.complete = True
-                self.caller.call_soon_threadsafe(self.chunks.put_nowait, _END)
+                self._deliver(self.chunks.put_nowait, _END)
+
+    def _deliver(self, fn: Any, *args: Any) -> None:
+        """fn(*args) on the caller's loop; nothing if that loop is closed (its caller gave up and left)."""
+        with contextlib.suppress(RuntimeError):
+            self.caller.call_soon_threadsafe(fn, *args)
 
     def finished(self, future: concurrent.futures.Future) -> None:
         """The app returned or failed (on the gateway loop): wake the client whatever it waits for."""
@@ -139,8 +183,12 @@ class _Exchange:
                 "the artrl gateway closed the request without a complete response"
                 + (f": {type(error).__name__}: {error}" if error is not None else "")
             )
-            with contextlib.suppress(RuntimeError):  # the client's loop is gone: nobody waits
-                self.caller.call_soon_threadsafe(_fail, self.started, self.chunks, failure)
+            self._deliver(_fail, self.started, self.chunks, failure)
+
+    def abandon(self, message: str) -> None:
+        """The gateway stopped without finishing this request (from the stopping thread)."""
+        if not self.complete:
+            self._deliver(_fail, self.started, self.chunks, self.httpx.RemoteProtocolError(message))
 
     def disconnect(self) -> None:
         """The client went away (cancelled, timed out, or closed the body early)."""

@@ -13,6 +13,7 @@ import time
 import uvicorn
 
 from artrl.config import GatewayConfig
+from artrl.local.in_process import Exchanges, gateway_transport
 
 
 class GatewayServer:
@@ -31,6 +32,7 @@ class GatewayServer:
             timeout_keep_alive=keep_alive_s,
         )
         self._server = uvicorn.Server(config)
+        self._exchanges = Exchanges()  # requests from in-process clients (see transport)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, name="artrl-gateway", daemon=True
         )
@@ -57,13 +59,12 @@ class GatewayServer:
 
     def transport(self):
         """An httpx transport to this gateway from the same process, without a socket (see in_process)."""
-        from artrl.local.in_process import gateway_transport
-
-        return gateway_transport(self._app, self._loop, self.host, self.port)
+        return gateway_transport(self._app, self._loop, self.host, self.port, self._exchanges)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.should_exit = True
         self._thread.join(timeout_s)
+        self._exchanges.close()  # in-process requests the stopped loop dropped fail now, new ones at once
         self._socket.close()
         preparing = getattr(self._app.state, "preparing", None)  # the gateway's prompt-building thread
         if preparing is not None:

@@ -40,7 +40,7 @@ class ChoiceResult:
     finish_reason: str
     prompt: Prompt
     tokens: list[TokenChoice] = field(default_factory=list)
-    policy_step: int = 0  # the step the gateway served when the request arrived (see PreparedRequest)
+    policy_step: int | None = None  # the step the gateway served when the request arrived (PreparedRequest)
 
 
 @dataclass
@@ -56,8 +56,8 @@ class PreparedRequest:
     tool_names: set[str]
     one_call: bool  # parallel_tool_calls=false: the turn ends after its first tool call
     # the step served when the request arrived: the policy that sampled it (the embedded engine may finish a
-    # sequence on newer weights: then the tokens are fresher than this says, never older)
-    policy_step: int = 0
+    # sequence on newer weights: then the tokens are fresher than this says, never older); None: unknown
+    policy_step: int | None = None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
