@@ -78,6 +78,15 @@ class SlowEngine:
             task.cancel()
 
 
+async def aborted(stream: SequenceStream, within_s: float = 2.0) -> bool:
+    """Whether the gateway aborted `stream` within `within_s` (polled)."""
+    for _ in range(int(within_s / 0.05)):
+        if stream.aborted:
+            break
+        await asyncio.sleep(0.05)
+    return stream.aborted
+
+
 @dataclass
 class InstantEngine:
     """Answers every sequence at once with `tokens` (then a stop): the gateway at full speed, for fuzzing."""

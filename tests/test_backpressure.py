@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+from fakes import aborted
 
 from artrl.config import EngineConfig, GatewayConfig
 from artrl.local.engine_hf import HFEngine
@@ -43,10 +44,7 @@ async def test_a_client_that_gives_up_stops_its_generation(slow):
         with pytest.raises(httpx.ReadTimeout):
             await client.post(f"{base_url}/chat/completions", json=BODY)
     (stream,) = engine.streams
-    for _ in range(40):
-        if stream.aborted:
-            break
-        await asyncio.sleep(0.05)
+    await aborted(stream)
     assert stream.aborted  # after ~0.5 s of a 100 s generation
 
 
@@ -60,10 +58,7 @@ async def test_a_stream_whose_client_leaves_stops_too(slow):
         async for _ in r.aiter_lines():
             break  # the first chunk, then leave
     (stream,) = engine.streams
-    for _ in range(40):
-        if stream.aborted:
-            break
-        await asyncio.sleep(0.05)
+    await aborted(stream)
     assert stream.aborted
 
 

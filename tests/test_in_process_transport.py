@@ -9,6 +9,7 @@ import contextlib
 
 import openai
 import pytest
+from fakes import aborted
 
 from artrl.config import EngineConfig, GatewayConfig
 from artrl.local.in_process import openai_httpx
@@ -50,6 +51,31 @@ async def test_streaming_and_errors_through_the_in_process_transport(fresh_model
         await client.chat.completions.create(model=model.name, messages=[{"role": "nobody"}], max_tokens=2)
 
 
+async def test_the_sync_client_skips_the_network_too(fresh_model):
+    model = fresh_model
+    kwargs = dict(model=model.name, messages=MESSAGES, max_tokens=10, seed=5)
+
+    def calls() -> tuple[str, str, str, str]:
+        direct = model.openai_sync_client()
+        assert _transport_name(direct) == "SyncGatewayTransport"
+        over_http = openai.OpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
+        a = direct.chat.completions.create(**kwargs).choices[0].message.content
+        b = over_http.chat.completions.create(**kwargs).choices[0].message.content
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in direct.chat.completions.create(**kwargs, stream=True)
+            if c.choices
+        )
+        try:
+            direct.chat.completions.create(**{**kwargs, "model": "nobody"})
+        except openai.NotFoundError as exc:
+            error = str(exc)
+        return a, b, streamed, error
+
+    a, b, streamed, error = await asyncio.to_thread(calls)  # (a blocking caller in its own thread)
+    assert a == b == streamed and "not served here" in error
+
+
 async def test_calls_inside_a_capture_block_are_recorded(fresh_model):
     import artrl
 
@@ -83,10 +109,7 @@ async def test_a_client_timeout_stops_the_generation(slow):
                 json={"model": "slow", "messages": MESSAGES, "max_tokens": 2000},
             )
     (stream,) = engine.streams
-    for _ in range(40):
-        if stream.aborted:
-            break
-        await asyncio.sleep(0.05)
+    await aborted(stream)
     assert stream.aborted
 
 
@@ -111,10 +134,7 @@ async def test_a_caller_whose_loop_closed_costs_the_gateway_no_error(slow, caplo
     thread.start()
     thread.join(10)
     (stream,) = engine.streams
-    for _ in range(40):
-        if stream.aborted:
-            break
-        await asyncio.sleep(0.05)
+    await aborted(stream)
     await asyncio.sleep(0.5)  # the route's 499 goes to the closed loop
     assert stream.aborted
     assert not [r for r in caplog.records if "unexpected gateway error" in r.getMessage()]
@@ -132,10 +152,25 @@ async def test_a_stream_closed_early_stops_the_generation(slow):
             if line.startswith("data:"):
                 break  # leaves the block: the body is closed unread
     (stream,) = engine.streams
-    for _ in range(40):
-        if stream.aborted:
-            break
-        await asyncio.sleep(0.05)
+    await aborted(stream)
+    assert stream.aborted
+
+
+async def test_a_sync_client_timeout_stops_the_generation(slow):
+    httpx2 = openai_httpx()
+    engine, service = slow
+
+    def call() -> None:
+        with httpx2.Client(transport=service.server.transport(sync=True), timeout=0.5) as client:
+            client.post(
+                "http://gateway/v1/chat/completions",
+                json={"model": "slow", "messages": MESSAGES, "max_tokens": 2000},
+            )
+
+    with pytest.raises(httpx2.ReadTimeout):
+        await asyncio.to_thread(call)
+    (stream,) = engine.streams
+    await aborted(stream)
     assert stream.aborted
 
 

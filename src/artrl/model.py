@@ -56,9 +56,9 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
-    def client_transport(self, model: TrainableModel) -> Any:
-        """An httpx async transport that reaches the model's server without the network (same process),
-        or None: clients use HTTP."""
+    def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
+        """An httpx transport (async, or `sync`) that reaches the model's server without the network (same
+        process), or None: clients use HTTP."""
         ...
 
 
@@ -180,14 +180,14 @@ class TrainableModel(BaseModel):
 
         from artrl.capturing import tag_request, tag_request_async
 
+        transport = None
+        if options["base_url"] == self._base_url and self._backend is not None:
+            transport = self._backend.client_transport(self, sync=not async_client)
+        extra = {} if transport is None else {"transport": transport}
         if async_client:
-            transport = None
-            if options["base_url"] == self._base_url and self._backend is not None:
-                transport = self._backend.client_transport(self)
-            extra = {} if transport is None else {"transport": transport}
             http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [tag_request_async]}, **extra)
         else:
-            http = openai.DefaultHttpxClient(event_hooks={"request": [tag_request]})
+            http = openai.DefaultHttpxClient(event_hooks={"request": [tag_request]}, **extra)
         return {**options, "http_client": http}
 
     async def get_step(self) -> int:

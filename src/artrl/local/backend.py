@@ -156,12 +156,12 @@ class LocalBackend:
         )
         return service.base_url, self.gateway_config.api_key or "artrl"
 
-    def client_transport(self, model: TrainableModel) -> Any:
+    def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
         """The gateway in this process, reached without a socket (see local/in_process.py)."""
         service = self._services.get((model.project, model.name))
         if service is None or not self.gateway_config.in_process_clients:
             return None
-        return service.server.transport()
+        return service.server.transport(sync)
 
     async def get_step(self, model: TrainableModel) -> int:
         return latest_step(self.directory(model))

@@ -15,9 +15,10 @@ import concurrent.futures
 import contextlib
 import functools
 import importlib
+import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -48,12 +49,13 @@ class Exchanges:
 
 
 def gateway_transport(
-    app: Any, loop: asyncio.AbstractEventLoop, host: str, port: int, exchanges: Exchanges
+    app: Any, loop: asyncio.AbstractEventLoop, host: str, port: int, exchanges: Exchanges, sync: bool = False
 ) -> Any:
     """A transport for the httpx the `openai` SDK is built on (httpx, or httpx2 from openai 3 on), to `app`
-    (an ASGI app) run on `loop` (the gateway's event loop, in another thread)."""
+    (an ASGI app) run on `loop` (the gateway's event loop, in another thread); `sync`: for a synchronous
+    client (its calls block their own thread, never the gateway's)."""
     httpx = openai_httpx()
-    transport, _ = _classes(httpx)
+    transport = _sync_classes(httpx)[0] if sync else _classes(httpx)[0]
     return transport(httpx, app, loop, (host, port), exchanges)
 
 
@@ -73,6 +75,13 @@ def _classes(httpx: ModuleType) -> tuple[type, type]:
     return transport, body
 
 
+@functools.cache
+def _sync_classes(httpx: ModuleType) -> tuple[type, type]:
+    transport = type("SyncGatewayTransport", (_SyncTransport, httpx.BaseTransport), {})
+    body = type("SyncGatewayBody", (_SyncBody, httpx.SyncByteStream), {})
+    return transport, body
+
+
 class _Transport:
     def __init__(
         self,
@@ -85,6 +94,20 @@ class _Transport:
         self._httpx, self._app, self._loop, self._server = httpx, app, loop, server
         self._exchanges = exchanges
 
+    def _submit(self, exchange: _Exchange, request: Any) -> None:
+        """Start the app on the gateway's loop for this request (ConnectError when the gateway is gone)."""
+        httpx = self._httpx
+        if not self._exchanges.add(exchange):
+            raise httpx.ConnectError("the artrl gateway is not running (it stopped)", request=request)
+        work = exchange.run(self._app, _scope(request, self._server))
+        try:
+            future = asyncio.run_coroutine_threadsafe(work, self._loop)
+        except RuntimeError as exc:  # the gateway's loop is closed
+            work.close()
+            raise httpx.ConnectError(f"the artrl gateway is not running: {exc}", request=request) from None
+        exchange.future = future
+        future.add_done_callback(exchange.finished)
+
     async def handle_async_request(self, request: Any) -> Any:
         httpx = self._httpx
         timeout = request.extensions.get("timeout", {})
@@ -94,30 +117,7 @@ class _Transport:
         started: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] = caller.create_future()
         chunks: asyncio.Queue[Any] = asyncio.Queue()
         exchange = _Exchange(httpx, body, caller, self._loop, started, chunks)
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": request.method,
-            "scheme": request.url.scheme,
-            "path": request.url.path,
-            "raw_path": request.url.raw_path.split(b"?")[0],
-            "query_string": request.url.query,
-            "root_path": "",
-            "headers": [(k.lower(), v) for k, v in request.headers.raw],
-            "server": self._server,
-            "client": ("127.0.0.1", 0),
-        }
-        if not self._exchanges.add(exchange):
-            raise httpx.ConnectError("the artrl gateway is not running (it stopped)", request=request)
-        work = exchange.run(self._app, scope)
-        try:
-            future = asyncio.run_coroutine_threadsafe(work, self._loop)
-        except RuntimeError as exc:  # the gateway's loop is closed
-            work.close()
-            raise httpx.ConnectError(f"the artrl gateway is not running: {exc}", request=request) from None
-        exchange.future = future
-        future.add_done_callback(exchange.finished)
+        self._submit(exchange, request)
         try:
             status, headers = await asyncio.wait_for(started, read_timeout)
         except TimeoutError:
@@ -128,6 +128,24 @@ class _Transport:
             raise
         body_stream = _classes(httpx)[1](httpx, exchange, read_timeout, request)
         return httpx.Response(status, headers=headers, stream=body_stream, request=request)
+
+
+def _scope(request: Any, server: tuple) -> dict[str, Any]:
+    """The ASGI scope of an httpx request (HTTP/1.1, from loopback)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": request.url.scheme,
+        "path": request.url.path,
+        "raw_path": request.url.raw_path.split(b"?")[0],
+        "query_string": request.url.query,
+        "root_path": "",
+        "headers": [(k.lower(), v) for k, v in request.headers.raw],
+        "server": server,
+        "client": ("127.0.0.1", 0),
+    }
 
 
 class _Exchange:
@@ -228,16 +246,71 @@ class _Body:
             except BaseException:
                 self._exchange.disconnect()
                 raise
-            if item is _END:
-                self._done = True
+            if self._ended(item):
                 return
-            if isinstance(item, Exception):
-                self._done = True
-                raise item
             if item:
                 yield item
 
+    def _ended(self, item: Any) -> bool:
+        """True at the body's end; a failure the exchange delivered is raised."""
+        if item is _END or isinstance(item, Exception):
+            self._done = True
+            if item is not _END:
+                raise item
+        return self._done
+
     async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._exchange.disconnect()
+
+
+class _SyncExchange(_Exchange):
+    """The same exchange for a blocking caller: its future and queue are thread-safe, so the gateway's
+    thread hands over directly."""
+
+    def _deliver(self, fn: Any, *args: Any) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # (a failure racing the answer)
+            fn(*args)
+
+
+class _SyncTransport(_Transport):
+    def handle_request(self, request: Any) -> Any:
+        httpx = self._httpx
+        read_timeout = request.extensions.get("timeout", {}).get("read")
+        body = request.read()
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        chunks: queue.Queue[Any] = queue.Queue()
+        exchange = _SyncExchange(httpx, body, None, self._loop, started, chunks)
+        self._submit(exchange, request)
+        try:
+            status, headers = started.result(timeout=read_timeout)
+        except concurrent.futures.TimeoutError:
+            exchange.disconnect()
+            raise httpx.ReadTimeout(f"no response within {read_timeout} s", request=request) from None
+        except BaseException:
+            exchange.disconnect()
+            raise
+        body_stream = _sync_classes(httpx)[1](httpx, exchange, read_timeout, request)
+        return httpx.Response(status, headers=headers, stream=body_stream, request=request)
+
+
+class _SyncBody(_Body):
+    def __iter__(self) -> Iterator[bytes]:
+        while not self._done:
+            try:
+                item = self._exchange.chunks.get(timeout=self._timeout)
+            except queue.Empty:
+                self._exchange.disconnect()
+                raise self._httpx.ReadTimeout(
+                    f"no data within {self._timeout} s", request=self._request
+                ) from None
+            if self._ended(item):
+                return
+            if item:
+                yield item
+
+    def close(self) -> None:
         if not self._done:
             self._done = True
             self._exchange.disconnect()

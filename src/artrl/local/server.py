@@ -57,9 +57,10 @@ class GatewayServer:
             time.sleep(0.01)
         self._loop = self._server.servers[0].get_loop()
 
-    def transport(self):
-        """An httpx transport to this gateway from the same process, without a socket (see in_process)."""
-        return gateway_transport(self._app, self._loop, self.host, self.port, self._exchanges)
+    def transport(self, sync: bool = False):
+        """An httpx transport to this gateway from the same process, without a socket (see in_process);
+        `sync` for a synchronous client."""
+        return gateway_transport(self._app, self._loop, self.host, self.port, self._exchanges, sync)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.should_exit = True
