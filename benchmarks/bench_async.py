@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, machine_info, write_section
+from harness import HERE, alternating, command_line, machine_info, publish
 
 SECTION_HEADING = "## Asynchronous rollouts (bench_async.py)"
 DEMO = HERE.parent / "examples" / "train_agent.py"
@@ -96,13 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="artrl-bench-async-") as tmp:
         path = Path(tmp) / "artrl"
         for k in range(args.rounds):
-            for ahead in (0, 1) if k % 2 == 0 else (1, 0):
+            for ahead in alternating((0, 1), k):
                 results[ahead].append(demo(path, Path(tmp) / f"out{k}{ahead}", ahead, args))
                 print(f"round {k + 1}, --ahead {ahead}: {results[ahead][-1]}", flush=True)
-    text = section(results, args, time.perf_counter() - started)
-    print(text)
-    write_section(Path(args.out), text, SECTION_HEADING)
-    return 0
+    return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, ensure_model, machine_info, write_section
+from harness import HERE, alternating, command_line, ensure_model, machine_info, publish
 
 SECTION_HEADING = "## bf16 vs fp32 (bench_bf16.py)"
 DTYPES = ("float32", "bfloat16")
@@ -126,13 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     folder = ensure_model("small", args.model_cache)
     results: dict[str, list[dict[str, Any]]] = {d: [] for d in DTYPES}
     for k in range(args.rounds):
-        for dtype in DTYPES if k % 2 == 0 else DTYPES[::-1]:
+        for dtype in alternating(DTYPES, k):
             results[dtype].append(measure(folder, dtype, args))
             print(f"round {k + 1} {dtype}: {results[dtype][-1]}", flush=True)
-    text = section(results, args, time.perf_counter() - started)
-    print(text)
-    write_section(Path(args.out), text, SECTION_HEADING)
-    return 0
+    return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, ensure_model, machine_info, maxrss_mib, write_section
+from harness import HERE, command_line, ensure_model, machine_info, maxrss_mib, publish
 
 SECTION_HEADING = "## Memory settings (bench_memory.py)"
 SETTINGS = [(dtype, gc) for dtype in ("float32", "bfloat16") for gc in (False, True)]
@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         out = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=True)
         results[(dtype, gc)] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{dtype} checkpointing={gc}: {results[(dtype, gc)]}", flush=True)
-    text = section(results, args, time.perf_counter() - started)
-    print(text)
-    write_section(Path(args.out), text, SECTION_HEADING)
-    return 0
+    return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,18 @@ def ensure_model(preset: str, cache: Path) -> Path:
     return folder
 
 
+def alternating(options: tuple, round_index: int) -> tuple:
+    """The options in order on even rounds, reversed on odd ones (side-by-side runs on a noisy machine)."""
+    return options if round_index % 2 == 0 else options[::-1]
+
+
+def publish(text: str, out: str | Path, heading: str) -> int:
+    """Print a benchmark's section and write it into `out` (replacing `heading`'s); the exit code 0."""
+    print(text)
+    write_section(Path(out), text, heading)
+    return 0
+
+
 def write_section(path: Path, text: str, heading: str) -> None:
     """Replace the section that starts with `heading` (up to the next `## ` heading), or append it."""
     if not path.exists():

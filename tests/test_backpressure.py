@@ -44,8 +44,7 @@ async def test_a_client_that_gives_up_stops_its_generation(slow):
         with pytest.raises(httpx.ReadTimeout):
             await client.post(f"{base_url}/chat/completions", json=BODY)
     (stream,) = engine.streams
-    await aborted(stream)
-    assert stream.aborted  # after ~0.5 s of a 100 s generation
+    assert await aborted(stream)  # after ~0.5 s of a 100 s generation
 
 
 async def test_a_stream_whose_client_leaves_stops_too(slow):
@@ -58,8 +57,7 @@ async def test_a_stream_whose_client_leaves_stops_too(slow):
         async for _ in r.aiter_lines():
             break  # the first chunk, then leave
     (stream,) = engine.streams
-    await aborted(stream)
-    assert stream.aborted
+    assert await aborted(stream)
 
 
 async def test_requests_beyond_the_in_flight_limit_get_a_429(slow):

@@ -109,8 +109,7 @@ async def test_a_client_timeout_stops_the_generation(slow):
                 json={"model": "slow", "messages": MESSAGES, "max_tokens": 2000},
             )
     (stream,) = engine.streams
-    await aborted(stream)
-    assert stream.aborted
+    assert await aborted(stream)
 
 
 async def test_a_caller_whose_loop_closed_costs_the_gateway_no_error(slow, caplog):
@@ -152,8 +151,7 @@ async def test_a_stream_closed_early_stops_the_generation(slow):
             if line.startswith("data:"):
                 break  # leaves the block: the body is closed unread
     (stream,) = engine.streams
-    await aborted(stream)
-    assert stream.aborted
+    assert await aborted(stream)
 
 
 async def test_a_sync_client_timeout_stops_the_generation(slow):
@@ -170,8 +168,7 @@ async def test_a_sync_client_timeout_stops_the_generation(slow):
     with pytest.raises(httpx2.ReadTimeout):
         await asyncio.to_thread(call)
     (stream,) = engine.streams
-    await aborted(stream)
-    assert stream.aborted
+    assert await aborted(stream)
 
 
 async def test_a_stopped_gateway_is_a_connection_error_not_a_hang(slow):

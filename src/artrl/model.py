@@ -173,7 +173,7 @@ class TrainableModel(BaseModel):
 
     def _with_capture_hook(self, options: dict[str, Any], async_client: bool) -> dict[str, Any]:
         """Options with an httpx client whose request hook tags calls made inside `artrl.capture` blocks;
-        an async client to this model's own server in this process goes without the network."""
+        a client of this model's own server in this process goes without the network (in_process.py)."""
         if "http_client" in options:
             return options
         import openai

@@ -192,9 +192,8 @@ class LocalBackend:
                 config.allow_rendered_turns,
                 config.chat_template_kwargs,
             )
-            batch.locations = [
-                (g, origin[g][t]) for g, t in batch.locations
-            ]  # places in `groups`, as written
+            # the rows' places in `groups` as written (build_batch saw `fresh`)
+            batch.locations = [(g, origin[g][t]) for g, t in batch.locations]
             step = latest_step(directory) + 1
             write_trajectories(directory, "train", step, groups)
             started = time.time()

@@ -83,11 +83,9 @@ def model_options(config: EngineConfig, device: torch.device, dtype: torch.dtype
                 f"LoadConfig(quantization='4bit') needs a CUDA GPU (bitsandbytes' NF4 kernels); this engine runs "
                 f"on {device.type}. On a CPU use EngineConfig(dtype='bfloat16') to halve the weights' memory"
             )
-        try:
-            from transformers import BitsAndBytesConfig
-        except ImportError as exc:  # pragma: no cover (transformers always has it)
-            raise ValueError(f"4-bit loading is unavailable in this transformers: {exc}") from None
         import importlib.util
+
+        from transformers import BitsAndBytesConfig
 
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("LoadConfig(quantization='4bit') needs bitsandbytes: pip install bitsandbytes")
