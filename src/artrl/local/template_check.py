@@ -123,7 +123,9 @@ def check_template(fmt: ChatFormat, model: str, kwargs: dict[str, Any] | None = 
         family=fmt.family.name,
         detected_by=fmt.detected_by,
         stop_tokens=sorted(fmt.token_text(i) for i in fmt.stop_ids),
-        template_variables=sorted(fmt.variables - {"messages", "tools", "add_generation_prompt"}),
+        template_variables=sorted(
+            fmt.variables - {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+        ),
         generation_marks="generation" in template and "endgeneration" in template,
     )
     if not fmt.stop_ids:

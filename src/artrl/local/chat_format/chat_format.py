@@ -39,7 +39,8 @@ _TEMPLATE_GLOBALS = frozenset({"raise_exception", "strftime_now", "namespace", "
 def template_variables(chat_template: str) -> frozenset[str]:
     """The variables a caller can set for a chat template (what **kwargs / chat_template_kwargs reach): those
     it reads without defining them, less the names it only assigns itself (`set`, loop and macro names) unless
-    it asks whether they are defined (`{% if not date_string is defined %}{% set date_string = ... %}`)."""
+    it asks whether they are defined (`{% if not date_string is defined %}{% set date_string = ... %}`) or
+    defaults them (`{% set x = x | default(false) %}`)."""
     import jinja2
     import jinja2.ext
     import jinja2.meta
@@ -54,7 +55,11 @@ def template_variables(chat_template: str) -> frozenset[str]:
         for n in re.split(r"[\s,]+", group)
     }
     tested = set(re.findall(r"(\w+)\s+is\s+(?:not\s+)?defined", text))
-    return frozenset(n for n in found if (n not in assigned or n in tested) and n not in _TEMPLATE_GLOBALS)
+    # `{% set enable_thinking = enable_thinking | default(false) %}` (Gemma 4): the caller's value, defaulted
+    defaulted = set(re.findall(r"\{%-?\s*set\s+(\w+)\s*=\s*\1\s*\|\s*default\b", text))
+    return frozenset(
+        n for n in found | defaulted if (n not in assigned or n in tested | defaulted) and n not in _TEMPLATE_GLOBALS
+    )
 
 
 def _json_object(arguments: Any) -> Any:
@@ -350,7 +355,10 @@ class ChatFormat:
             i
             for i, t in self.tokenizer.added_tokens_decoder.items()
             if t.special
-            and not any(form in markup for form in (t.content, json.dumps(re.escape(t.content))[1:-1]))
+            and not any(
+                form in markup
+                for form in (t.content, json.dumps(t.content)[1:-1], json.dumps(re.escape(t.content))[1:-1])
+            )
         )
 
     @cached_property

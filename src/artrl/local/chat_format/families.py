@@ -55,6 +55,21 @@ FAMILIES: tuple[Family, ...] = (
         },
     ),
     Family(
+        "gemma4",
+        "Gemma 4 (<|tool_call>call:NAME{key:value}<tool_call|>, <|channel>thought reasoning, tool results inside "
+        "the model turn)",
+        "gemma4_template",
+        (
+            "gemma4_chat_template",
+            "gemma4_v2_chat_template",
+            "gemma4_v3_chat_template",
+            "gemma4_v4_chat_template",
+            "gemma4_v5_chat_template",
+        ),
+        markers=("<|turn>", "<|tool_call>", "<tool_call|>"),
+        stop_tokens=("<turn|>", "<|tool_response>", "<eos>"),
+    ),
+    Family(
         "glm4_moe",
         "GLM-4.5/4.6 (<tool_call>NAME <arg_key>/<arg_value> pairs, <think> reasoning, turns end at the next role)",
         "glm4moe_template",
