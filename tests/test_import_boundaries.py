@@ -17,11 +17,13 @@ LAYERS: dict[str, int] = {
     "artrl.trajectory": 0,
     "artrl.config": 0,
     "artrl.canonical": 0,
+    "artrl.art_names": 0,  # ART's names for artrl's settings (pure translation)
     "artrl.storage": 1,
     "artrl.retry": 1,
     "artrl.dataset": 1,
     "artrl.capture_histories": 1,
     "artrl.model": 1,
+    "artrl.prompted_model": 1,  # artrl.Model: a prompted model on any OpenAI-compatible endpoint
     "artrl.capturing": 1,
     "artrl.gather": 1,
     "artrl.rewards": 1,

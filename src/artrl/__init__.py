@@ -28,9 +28,18 @@ from artrl.langchain_model import langchain_chat_model
 from artrl.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
 from artrl.pipeline import rollouts_ahead
+from artrl.prompted_model import Model
 from artrl.retry import retry
 from artrl.tiny import build_tiny_model, ensure_tiny_model
-from artrl.trajectory import History, Trajectory, TrajectoryGroup
+from artrl.trajectory import (
+    History,
+    Messages,
+    MessagesAndChoices,
+    PendingGroup,
+    Tools,
+    Trajectory,
+    TrajectoryGroup,
+)
 
 __all__ = [
     "Capture",
@@ -48,8 +57,13 @@ __all__ = [
     "LocalBackend",
     "LoraConfig",
     "MCPTools",
+    "Messages",
+    "MessagesAndChoices",
+    "Model",
+    "PendingGroup",
     "SFTConfig",
     "TinyModelConfig",
+    "Tools",
     "TrainConfig",
     "TrainResult",
     "TrainableModel",

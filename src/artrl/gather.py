@@ -1,8 +1,9 @@
 """Running rollouts concurrently: groups of trajectories behind a live progress bar, with an exception budget.
 
 A *group* is given as an iterable of awaitables (coroutines, tasks), one per rollout, each resolving to an
-`artrl.Trajectory`; a group may also be given as one awaitable resolving to a whole `artrl.TrajectoryGroup`.
-Every rollout of every group runs at once (or at most `max_concurrency` at a time). A rollout that raises an
+`artrl.Trajectory` (bare, or as ART writes it: `artrl.TrajectoryGroup(rollout(...) for _ in range(8))`,
+which keeps the group's `metadata`); a group may also be given as one awaitable resolving to a whole
+`artrl.TrajectoryGroup`. Every rollout of every group runs at once (or at most `max_concurrency` at a time). A rollout that raises an
 `Exception` is recorded on its group (`TrajectoryGroup.exceptions`, as ``"Type: message"``) and left out of
 it; the others go on until more rollouts have failed than `max_exceptions` allows, at which point everything
 still running is cancelled (and awaited) and `GatherError` is raised.
@@ -17,10 +18,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any, TypeAlias
 
-from artrl.trajectory import Trajectory, TrajectoryGroup
+from artrl.trajectory import PendingGroup, Trajectory, TrajectoryGroup
 
-GroupSpec: TypeAlias = Iterable[Awaitable[Trajectory]] | Awaitable[TrajectoryGroup]
-"""One group: its rollouts (awaitables of `Trajectory`), or one awaitable of a whole `TrajectoryGroup`."""
+GroupSpec: TypeAlias = Iterable[Awaitable[Trajectory]] | PendingGroup | Awaitable[TrajectoryGroup]
+"""One group: its rollouts (awaitables of `Trajectory`, or `TrajectoryGroup(awaitables)` as ART writes it),
+or one awaitable of a whole `TrajectoryGroup`."""
 
 AfterEach: TypeAlias = Callable[[TrajectoryGroup], TrajectoryGroup | Awaitable[TrajectoryGroup | None] | None]
 """Called with each group as it completes; returns the group to keep (the same or a replacement) or None."""
@@ -68,6 +70,7 @@ class _Slot:
     exceptions: list[str] = field(default_factory=list)
     remaining: int = 0
     result: TrajectoryGroup | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # the group's, given to TrajectoryGroup(...)
 
 
 def _close_unstarted(slots: list[_Slot]) -> None:
@@ -83,6 +86,18 @@ def _prepare(groups: Iterable[GroupSpec]) -> list[_Slot]:
     slots: list[_Slot] = []
     try:
         for index, spec in enumerate(groups):
+            if isinstance(spec, PendingGroup):  # TrajectoryGroup(awaitables): its rollouts run one by one
+                rollouts = spec.take()
+                slots.append(
+                    _Slot(
+                        rollouts=rollouts,
+                        trajectories=[None] * len(rollouts),
+                        remaining=len(rollouts),
+                        exceptions=list(spec.exceptions),
+                        metadata=dict(spec.metadata),
+                    )
+                )
+                continue
             if inspect.isawaitable(spec):
                 slots.append(_Slot(rollouts=None, whole=spec, remaining=1))
                 continue
@@ -214,7 +229,9 @@ class _Gathering:
         slot = self.slots[index]
         if slot.result is None:
             slot.result = TrajectoryGroup(
-                [t for t in slot.trajectories if t is not None], exceptions=list(slot.exceptions)
+                [t for t in slot.trajectories if t is not None],
+                exceptions=list(slot.exceptions),
+                metadata=slot.metadata,
             )
         if self.after_each is None:
             return

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import re
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+import artrl.art_names as art_names
 from artrl.config import (
     CheckpointRetention,
     ClientConfig,
@@ -43,7 +45,12 @@ class Backend(Protocol):
     ) -> TrainResult: ...
 
     async def log(
-        self, model: TrainableModel, groups: list[TrajectoryGroup], split: str
+        self,
+        model: TrainableModel,
+        groups: list[TrajectoryGroup],
+        split: str,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
     ) -> dict[str, float]: ...
 
     async def export(self, model: TrainableModel, directory: str) -> None:
@@ -79,7 +86,7 @@ class TrainableModel(BaseModel):
     client: ClientConfig = Field(default_factory=ClientConfig)
     chat_format: str | None = Field(
         default=None,
-        description="the model family's chat format (hermes, qwen3, qwen3_5, llama3_json, gpt_oss, glm4_moe, "
+        description="the model family's chat format (hermes, qwen3, qwen3_5, llama3_json, gpt_oss, glm4_moe, gemma4, "
         "plain); None = detected from the tokenizer's chat template (`artrl check-template` shows which)",
     )
     report_to: tuple[TrackerName, ...] = Field(
@@ -96,6 +103,17 @@ class TrainableModel(BaseModel):
     _api_key: str = PrivateAttr(default="artrl")
     # one AsyncOpenAI per event loop (an httpx pool belongs to the loop that made it)
     _clients: weakref.WeakKeyDictionary = PrivateAttr(default_factory=weakref.WeakKeyDictionary)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _art_lora_config(cls, data: Any) -> Any:
+        """ART's `lora_config=` (a LoraConfig, or PEFT's names: r, lora_alpha, ...) is artrl's `lora=`."""
+        if isinstance(data, dict) and "lora_config" in data:
+            if "lora" in data:
+                raise ValueError("give lora= or lora_config= (ART's name for it), not both")
+            data = dict(data)
+            data["lora"] = art_names.lora_config(data.pop("lora_config"))
+        return data
 
     @field_validator("name", "project")
     @classmethod
@@ -119,6 +137,24 @@ class TrainableModel(BaseModel):
                 f"model {self.name!r} is not registered: `await model.register(backend)` first"
             )
         return self._backend
+
+    @property
+    def trainable(self) -> bool:
+        return True
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The `model` to request: the name (the weights of the latest step), or `name@step`, which the gateway
+        answers only while it serves that step (ART's name for it)."""
+        return self.name if step is None else f"{self.name}@{step}"
+
+    def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
+        """Keyword arguments for `litellm.acompletion` that reach this model (litellm's OpenAI-compatible route)."""
+        return {
+            "model": f"openai/{self.get_inference_name(step)}",
+            "base_url": self.inference_base_url,
+            "api_key": self.inference_api_key,
+            "temperature": 1.0,
+        }
 
     @property
     def inference_base_url(self) -> str:
@@ -194,13 +230,21 @@ class TrainableModel(BaseModel):
         """The latest training step of this model (0 before any training)."""
         return await self._require_backend().get_step(self)
 
-    async def train(self, groups: list[TrajectoryGroup], config: TrainConfig | None = None) -> TrainResult:
+    async def train(
+        self,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        _config: dict[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> TrainResult:
         """GRPO on scored groups: one optimizer step (see TrainConfig), a checkpoint, a history row.
 
         The served model is the updated one as soon as this returns (and, with the embedded engine, from the
-        next generated token on).
+        next generated token on). `_config` takes ART's `art.dev.TrainConfig` keys (see artrl.art_names);
+        `verbose` is ART's and changes nothing.
         """
-        return await self._require_backend().train(self, list(groups), config or TrainConfig())
+        config = art_names.train_config(config, dict(_config or {}))
+        return await self._require_backend().train(self, list(groups), config)
 
     async def train_sft(self, trajectories: list[Trajectory], config: SFTConfig | None = None) -> TrainResult:
         """Supervised fine-tuning on the assistant tokens of `trajectories` (recorded ids where the gateway
@@ -216,14 +260,41 @@ class TrainableModel(BaseModel):
         keep_last: int | None = 1,
         keep_best: str | None = None,
         best_mode: Literal["max", "min"] = "max",
+        *,
+        best_checkpoint_metric: str | None = None,
     ) -> list[int]:
         """Delete checkpoints but the newest `keep_last` and the best by `keep_best` ('split/metric' of the
-        history, e.g. 'val/reward_mean'); the latest is always kept. Returns the deleted steps."""
+        history, e.g. 'val/reward_mean'); the latest is always kept. Returns the deleted steps.
+        `best_checkpoint_metric` is ART's name for `keep_best` (its 'val/reward' is artrl's 'val/reward_mean')."""
+        if isinstance(keep_last, str):
+            raise TypeError(
+                f"delete_checkpoints({keep_last!r}): the first argument is keep_last (a count); pass the metric "
+                "as keep_best= (or best_checkpoint_metric=, ART's name)"
+            )
+        if best_checkpoint_metric is not None:
+            if keep_best is not None:
+                raise ValueError("give keep_best= or best_checkpoint_metric= (ART's name for it), not both")
+            keep_best = art_names.history_metric(best_checkpoint_metric)
         retention = CheckpointRetention(keep_last=keep_last, keep_best=keep_best, best_mode=best_mode)
         return await self._require_backend().delete_checkpoints(self, retention)
 
-    async def log(self, groups: list[TrajectoryGroup], split: str = "val") -> dict[str, float]:
-        """Record evaluation rollouts (trajectories + a history row at the current step) without training."""
+    async def log(
+        self,
+        groups: Iterable[TrajectoryGroup | Trajectory | BaseException] | None = None,
+        split: str = "val",
+        *,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Record evaluation rollouts (trajectories + a history row at the current step) without training.
+
+        As in ART: `groups` may be groups, or trajectories (and exceptions) that form one group, or None with
+        only `metrics` (added to the row as '<split>/<name>'); `step` places the row (default: the current)."""
         if not _SAFE_NAME.match(split):
             raise ValueError(f"split {split!r} must be letters, digits, '.', '_' or '-'")
-        return await self._require_backend().log(self, list(groups), split)
+        items = list(groups or [])
+        if items and not all(isinstance(g, TrajectoryGroup) for g in items):
+            items = [TrajectoryGroup(items)]  # (a TypeError names an item that is neither)
+        if not items and not metrics:
+            raise ValueError("nothing to log: give trajectories or groups, or metrics=")
+        return await self._require_backend().log(self, items, split, metrics=metrics, step=step)

@@ -7,6 +7,8 @@ exact `prompt_token_ids`, `token_ids` and `token_logprobs` the gateway attached 
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +16,9 @@ from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MessageOrChoice = Choice | dict[str, Any]
+Messages = list[dict[str, Any]]  # chat-completions messages (ART's `art.Messages`)
+MessagesAndChoices = list[MessageOrChoice]
+Tools = list[dict[str, Any]]  # chat-completions `tools` (ART's `art.Tools`)
 
 
 def choice_to_message(choice: Choice) -> dict[str, Any]:
@@ -75,16 +80,47 @@ class Trajectory(History):
         self.logs.append(message)
 
 
+def _exception_text(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class TrajectoryGroup(BaseModel):
-    """Rollouts of one scenario, compared with each other (GRPO's group)."""
+    """Rollouts of one scenario, compared with each other (GRPO's group).
+
+    `TrajectoryGroup(trajectories)` takes `Trajectory` objects (an exception among them is recorded in
+    `exceptions`, as ``"Type: message"``). Given *awaitables* instead (ART's idiom,
+    ``TrajectoryGroup(rollout(model, s) for _ in range(8))``), it returns a `PendingGroup`: pass it to
+    `artrl.gather_trajectory_groups`, which runs its rollouts with the others (progress bar, exception
+    budget), or await it on its own.
+    """
 
     trajectories: list[Trajectory]
     exceptions: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
-    def __init__(self, trajectories: Iterable[Trajectory] | None = None, **data: Any) -> None:
+    def __new__(cls, trajectories: Iterable[Any] | None = None, **data: Any) -> Any:
+        if trajectories is None or (isinstance(trajectories, list | tuple) and not trajectories):
+            return super().__new__(cls)
+        items = _items(trajectories)
+        if any(inspect.isawaitable(x) for x in items):
+            return PendingGroup(
+                items, exceptions=data.pop("exceptions", ()), metadata=data.pop("metadata", {})
+            )
+        self = super().__new__(cls)
+        self.__dict__["__artrl_items__"] = items  # read by __init__ (a generator is spent by now)
+        return self
+
+    def __init__(self, trajectories: Iterable[Any] | None = None, **data: Any) -> None:
+        items = self.__dict__.pop("__artrl_items__", None)
         if trajectories is not None:
-            data["trajectories"] = list(trajectories)
+            items = _items(trajectories) if items is None else items
+            data["trajectories"] = [x for x in items if not isinstance(x, BaseException)]
+            failed = [_exception_text(x) for x in items if isinstance(x, BaseException)]
+            if failed:
+                data["exceptions"] = [*_exception_texts(data.get("exceptions", ())), *failed]
+        if "exceptions" in data:
+            data["exceptions"] = _exception_texts(data["exceptions"])
         super().__init__(**data)
 
     def __len__(self) -> int:
@@ -92,3 +128,94 @@ class TrajectoryGroup(BaseModel):
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.trajectories)
+
+
+def _items(trajectories: Any) -> list[Any]:
+    """The items of a group as given: Trajectory objects or exceptions, or awaitables only."""
+    if isinstance(trajectories, str | bytes | dict) or not isinstance(trajectories, Iterable):
+        raise TypeError(
+            f"TrajectoryGroup takes an iterable of artrl.Trajectory (or of awaitables of them: "
+            f"TrajectoryGroup(rollout(model, s) for _ in range(8))), not {type(trajectories).__name__}"
+        )
+    items = list(trajectories)
+    awaitables = [inspect.isawaitable(x) for x in items]
+    for i, x in enumerate(items):
+        if any(awaitables) and not awaitables[i]:
+            _close_coroutines(items)
+            raise TypeError(
+                f"TrajectoryGroup item {i} ({type(x).__name__}) is not awaitable, unlike the others: give it either rollouts "
+                "to run (awaitables, e.g. coroutines) or their results (artrl.Trajectory), not both"
+            )
+        if not any(awaitables) and not isinstance(x, Trajectory | BaseException | dict):
+            raise TypeError(
+                f"TrajectoryGroup item {i} is of type {type(x).__name__}: give artrl.Trajectory objects, or "
+                "awaitables that return them (pass rollout(...), the coroutine, or the Trajectory it returns)"
+            )
+    return items
+
+
+def _exception_texts(exceptions: Iterable[Any]) -> list[Any]:
+    return [_exception_text(e) if isinstance(e, BaseException) else e for e in exceptions]
+
+
+def _close_coroutines(items: list[Any]) -> None:
+    """Close coroutines that will never run, so that Python does not warn that they were never awaited."""
+    for x in items:
+        if inspect.iscoroutine(x) and inspect.getcoroutinestate(x) == inspect.CORO_CREATED:
+            x.close()
+
+
+class PendingGroup:
+    """A group whose rollouts have not run yet: what `TrajectoryGroup(awaitables)` returns.
+
+    `artrl.gather_trajectory_groups([...])` runs its rollouts alongside the other groups' (one progress bar,
+    one exception budget) and returns the `TrajectoryGroup`, trajectories in the order given. Awaited on its
+    own it does the same for this one group (the first failing rollout raises)."""
+
+    def __init__(
+        self, rollouts: list[Any], *, exceptions: Iterable[Any] = (), metadata: dict[str, Any]
+    ) -> None:
+        self.rollouts = rollouts
+        self._taken = False
+        self.exceptions = _exception_texts(exceptions)
+        self.metadata = dict(metadata)
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    def take(self) -> list[Any]:
+        """The rollouts, handed over to whoever runs them (once: the group then holds none)."""
+        if not self.rollouts and self._taken:
+            raise RuntimeError("this TrajectoryGroup's rollouts were already run: make a new one per gather")
+        rollouts, self.rollouts, self._taken = self.rollouts, [], True
+        return rollouts
+
+    def __await__(self):
+        return self._gathered().__await__()
+
+    async def _gathered(self) -> TrajectoryGroup:
+        """Every rollout at once; the first failure cancels the others and is raised (as with
+        gather_trajectory_groups' default budget, without its progress bar)."""
+        rollouts = self.take()
+
+        async def run(aw: Any) -> Any:
+            return await aw
+
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = [tasks.create_task(run(aw)) for aw in rollouts]
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        finally:
+            _close_coroutines(rollouts)
+        results = [task.result() for task in running]
+        for i, value in enumerate(results):
+            if not isinstance(value, Trajectory):
+                raise TypeError(f"rollout {i} returned a {type(value).__name__}, not an artrl.Trajectory")
+        return TrajectoryGroup(results, exceptions=self.exceptions, metadata=self.metadata)
+
+    def __repr__(self) -> str:
+        return f"PendingGroup({len(self.rollouts)} rollouts)"
+
+    def __del__(self) -> None:  # never run: close its coroutines (Python would warn they were never awaited)
+        _close_coroutines(self.rollouts)

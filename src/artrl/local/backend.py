@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from artrl.config import (
@@ -167,9 +168,19 @@ class LocalBackend:
         return latest_step(self.directory(model))
 
     async def train(
-        self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig
+        self,
+        model: TrainableModel,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        **art_settings: Any,
     ) -> TrainResult:
+        """One GRPO step of `model` on `groups` (what `model.train` does). ART's form works too:
+        `backend.train(model, groups, learning_rate=5e-6, ...)` (the names artrl.art_names knows)."""
+        from artrl.art_names import train_config
         from artrl.local.batch import build_batch, check_groups, drop_stale, step_record
+
+        config = train_config(config, art_settings)
+        groups = list(groups)
 
         service = self.service(model)
         directory = self.directory(model)
@@ -305,25 +316,43 @@ class LocalBackend:
         fine-tuning (usable as `base_model=`), or a PEFT adapter folder (referencing its base) with LoRA."""
         await self.service(model).export(os.fspath(directory))
 
-    async def log(self, model: TrainableModel, groups: list[TrajectoryGroup], split: str) -> dict[str, float]:
+    async def log(
+        self,
+        model: TrainableModel,
+        groups: list[TrajectoryGroup],
+        split: str,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """A history row of `split` at `step` (default: the current): the groups' reward and metric means,
+        then `metrics` as given; the groups' trajectories are written under that step."""
         if split in RESERVED_SPLITS:
             raise ValueError(
                 f"split {split!r} holds what model.train/train_sft trained on (logging under it would overwrite "
                 "that step's trajectories); log evaluations under another name, such as 'val'"
             )
         directory = self.directory(model)
-        step = latest_step(directory)
-        rewards = [t.reward for g in groups for t in g.trajectories]
-        metrics = {
-            "trajectories": len(rewards),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-        }
-        for name in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
-            values = [float(t.metrics[name]) for g in groups for t in g.trajectories if name in t.metrics]
-            metrics[f"{name}_mean"] = sum(values) / len(values)
-        write_trajectories(directory, split, step, groups)
-        self._record(model, directory, {"step": step, "split": split, "time": time.time(), **metrics})
-        return metrics
+        if step is None:
+            step = latest_step(directory)
+        elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a step number >= 0, got {step!r}")
+        row: dict[str, float] = {}
+        if groups:
+            rewards = [t.reward for g in groups for t in g.trajectories]
+            row = {
+                "trajectories": len(rewards),
+                "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            }
+            for name in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
+                values = [float(t.metrics[name]) for g in groups for t in g.trajectories if name in t.metrics]
+                row[f"{name}_mean"] = sum(values) / len(values)
+            write_trajectories(directory, split, step, groups)
+        for name, value in (metrics or {}).items():
+            if name in ("step", "split", "time"):
+                raise ValueError(f"metric name {name!r} is a column of every history row; rename it")
+            row[name] = float(value)
+        self._record(model, directory, {"step": step, "split": split, "time": time.time(), **row})
+        return row
 
     def _record(self, model: TrainableModel, directory, row: dict[str, Any]) -> None:
         """A history row: on disk (fsynced) first, then to the model's trackers (which never raise)."""

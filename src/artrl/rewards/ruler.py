@@ -134,11 +134,49 @@ async def ruler_scores(
     )
 
 
+def judge_endpoint(
+    judge_model: Any, extra_litellm_params: dict[str, Any] | None
+) -> tuple[openai.AsyncOpenAI, str, dict[str, Any]]:
+    """ART's way to name the judge -> (client, model name, ruler_scores keyword arguments).
+
+    `judge_model`: an `artrl.Model` or `artrl.TrainableModel` (its own client and name), or a LiteLLM-style
+    name: "openai/o3" or "o3" (the OpenAI API, or the endpoint at `api_base`/`base_url` with `api_key` in
+    `extra_litellm_params`; temperature, max_tokens and timeout there go to the judge call)."""
+    params = dict(extra_litellm_params or {})
+    options = {k: params.pop(k) for k in ("api_base", "base_url", "api_key") if k in params}
+    calls = {k: params.pop(k) for k in ("temperature", "max_tokens", "timeout") if k in params}
+    if params:
+        raise TypeError(
+            f"extra_litellm_params {sorted(params)} are not used by artrl's judge (it takes api_base/base_url, "
+            "api_key, temperature, max_tokens, timeout); artrl calls the judge with the openai SDK, not LiteLLM"
+        )
+    if hasattr(judge_model, "openai_client") and hasattr(judge_model, "get_inference_name"):
+        if options:
+            raise TypeError("the judge is a model with its own endpoint: leave api_base/api_key out")
+        return judge_model.openai_client(), judge_model.get_inference_name(), calls
+    if not isinstance(judge_model, str) or not judge_model:
+        raise TypeError(
+            f"judge_model must be a model name or an artrl.Model, not {type(judge_model).__name__}"
+        )
+    provider, _, name = judge_model.rpartition("/")
+    if provider not in ("", "openai", "hosted_vllm"):
+        raise ValueError(
+            f"judge {judge_model!r}: artrl's judge speaks the OpenAI API; for {provider!r} pass "
+            "artrl.Model(name=..., project=..., inference_base_url=<an OpenAI-compatible endpoint>, "
+            "inference_model_name=...) as the judge"
+        )
+    base_url = options.get("base_url", options.get("api_base"))
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=options.get("api_key"))
+    return client, name, calls
+
+
 async def ruler_score_group(
     group: TrajectoryGroup,
+    judge_model: Any = None,
+    extra_litellm_params: dict[str, Any] | None = None,
     *,
-    judge: openai.AsyncOpenAI,
-    model: str,
+    judge: openai.AsyncOpenAI | None = None,
+    model: str | None = None,
     rubric: str = DEFAULT_RUBRIC,
     swallow_exceptions: bool = False,
     **kwargs: Any,
@@ -150,11 +188,25 @@ async def ruler_score_group(
     ``logs``. The judge sees ``Trajectory.messages()`` (not the tool schemas). A group of fewer than two
     trajectories has nothing to compare and is returned as it is, without a judge call.
 
+    The judge: ``judge=`` (an ``openai.AsyncOpenAI``) and ``model=`` (its model name), or as ART names it,
+    ``ruler_score_group(group, "openai/o3")`` or with an `artrl.Model` (see `judge_endpoint`).
     Other keyword arguments go to `ruler_scores` (``max_attempts``, ``timeout``, ``cache``...). With
     ``swallow_exceptions=True`` a `JudgeError` is logged and None returned, so that
     ``after_each=functools.partial(ruler_score_group, judge=client, model="...", swallow_exceptions=True)``
     in `artrl.gather_trajectory_groups` drops the groups the judge could not score.
     """
+    if judge_model is not None:  # ART's form: ruler_score_group(group, "openai/o3", {...})
+        if judge is not None or model is not None:
+            raise TypeError("give the judge as judge_model (ART's form) or as judge= and model=, not both")
+        judge, model, calls = judge_endpoint(judge_model, extra_litellm_params)
+        kwargs = {**calls, **kwargs}
+    elif judge is None or model is None:
+        raise TypeError(
+            "ruler_score_group needs a judge: judge=<openai.AsyncOpenAI> and model=<its name>, "
+            "or judge_model=<artrl.Model or 'openai/NAME'>"
+        )
+    elif extra_litellm_params:
+        raise TypeError("extra_litellm_params goes with judge_model (ART's form)")
     if len(group.trajectories) < 2:
         return group
     try:

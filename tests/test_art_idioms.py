@@ -1,0 +1,184 @@
+"""ART's idioms with `import artrl as art` (docs/from-art.md): groups of awaitables, ART's names for settings,
+a prompted `art.Model`, RULER named as ART names it, and ART's temporal-clue loop ported (run end to end)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+import artrl as art
+from artrl.art_names import history_metric, lora_config, train_config
+from artrl.rewards.ruler import judge_endpoint
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "from_art" / "temporal_clue.py"
+
+
+async def rollout(reward: float, fail: bool = False, delay: float = 0.0) -> art.Trajectory:
+    await asyncio.sleep(delay)
+    if fail:
+        raise ValueError("tool timed out")
+    return art.Trajectory(reward=reward)
+
+
+async def test_a_group_of_awaitables_is_gathered_as_in_art():
+    groups = (  # a generator of groups, each a generator of coroutines: ART's canonical loop
+        art.TrajectoryGroup((rollout(s, delay=0.01 * (3 - i)) for i in range(3)), metadata={"scenario": s})
+        for s in range(4)
+    )
+    out = await art.gather_trajectory_groups(groups, pbar_desc="train", pbar=False)
+    assert [[t.reward for t in g] for g in out] == [[s] * 3 for s in range(4)]
+    assert [g.metadata for g in out] == [{"scenario": s} for s in range(4)]
+
+
+async def test_failures_count_against_the_budget_and_are_recorded_on_their_group():
+    group = art.TrajectoryGroup(rollout(1.0, fail=i == 1) for i in range(3))
+    (out,) = await art.gather_trajectory_groups([group], max_exceptions=1, pbar=False)
+    assert len(out) == 2 and out.exceptions == ["ValueError: tool timed out"]
+    with pytest.raises(art.GatherError):
+        await art.gather_trajectory_groups(
+            [art.TrajectoryGroup(rollout(1.0, fail=True) for _ in range(2))], pbar=False
+        )
+
+
+async def test_a_group_of_awaitables_can_be_awaited_alone_once():
+    group = art.TrajectoryGroup(rollout(float(i)) for i in range(3))
+    assert isinstance(group, art.PendingGroup) and len(group) == 3
+    assert [t.reward for t in await group] == [0.0, 1.0, 2.0]
+    with pytest.raises(RuntimeError, match="already run"):
+        await group
+
+
+def test_results_and_exceptions_make_a_group_and_anything_else_is_a_clear_error():
+    group = art.TrajectoryGroup(x for x in [art.Trajectory(reward=1.0), TimeoutError("slow")])
+    assert len(group) == 1 and group.exceptions == ["TimeoutError: slow"]
+    with pytest.raises(TypeError, match="item 0 is of type int"):
+        art.TrajectoryGroup([1, 2])
+    with pytest.raises(TypeError, match="not awaitable, unlike the others"):
+        art.TrajectoryGroup([rollout(1.0), art.Trajectory()])
+    with pytest.raises(TypeError, match="not str"):
+        art.TrajectoryGroup("abc")
+    assert art.TrajectoryGroup.model_validate(group.model_dump()).exceptions == ["TimeoutError: slow"]
+
+
+def test_art_training_settings_map_onto_train_config():
+    config = train_config(None, {"learning_rate": 5e-6, "beta": 0.1, "epsilon": 0.3, "epsilon_high": 0.4})
+    assert (config.learning_rate, config.kl_coef, config.clip_low, config.clip_high) == (5e-6, 0.1, 0.3, 0.4)
+    base = art.TrainConfig(steps_per_call=2)
+    config = train_config(base, {"logprob_calculation_chunk_size": 64, "verbose": True})
+    assert config.steps_per_call == 2 and config.logprob_chunk_size == 64
+    with pytest.raises(TypeError, match="no training setting 'plot_tensors'"):
+        train_config(None, {"plot_tensors": True})
+    assert (
+        history_metric("val/reward") == "val/reward_mean" and history_metric("val/acc_mean") == "val/acc_mean"
+    )
+
+
+def test_lora_config_takes_peft_names_or_artrl_names():
+    model = art.TrainableModel(name="m", project="p", base_model="x", lora_config={"r": 16, "lora_alpha": 32})
+    assert (model.lora.rank, model.lora.alpha) == (16, 32)
+    assert lora_config(art.LoraConfig(rank=4)).rank == 4 and lora_config(None) is None
+    with pytest.raises(ValueError, match="not both"):
+        art.TrainableModel(name="m", project="p", base_model="x", lora=None, lora_config={"r": 4})
+    with pytest.raises(ValueError, match="no setting 'bias'"):
+        art.TrainableModel(name="m", project="p", base_model="x", lora_config={"bias": "none"})
+
+
+def test_a_prompted_model_names_its_endpoint(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    baseline = art.Model(
+        name="gpt", project="p", inference_base_url="http://judge.test/v1", inference_model_name="o3"
+    )
+    assert not baseline.trainable and baseline.get_inference_name() == "o3"
+    with pytest.raises(ValueError, match="no API key"):
+        baseline.openai_client()
+    baseline = baseline.model_copy(update={"inference_api_key": "k"})
+    client = baseline.openai_client()
+    assert str(client.base_url) == "http://judge.test/v1/" and client.api_key == "k"
+    assert baseline.litellm_completion_params()["model"] == "openai/o3"
+    with pytest.raises(ValueError, match="no step 3"):
+        baseline.get_inference_name(3)
+
+
+def test_ruler_judge_named_as_in_art():
+    judge = art.Model(name="j", project="p", inference_base_url="http://judge.test/v1", inference_api_key="k")
+    client, name, calls = judge_endpoint(judge, {"temperature": 0.0})
+    assert str(client.base_url) == "http://judge.test/v1/" and name == "j" and calls == {"temperature": 0.0}
+    client, name, _ = judge_endpoint("openai/o3", {"api_base": "http://proxy.test/v1", "api_key": "k"})
+    assert str(client.base_url) == "http://proxy.test/v1/" and name == "o3"
+    with pytest.raises(ValueError, match="speaks the OpenAI API"):
+        judge_endpoint("anthropic/claude-x", None)
+    with pytest.raises(TypeError, match="not used by artrl's judge"):
+        judge_endpoint("openai/o3", {"api_key": "k", "num_retries": 3})
+
+
+@pytest.mark.slow
+async def test_art_names_on_a_served_model(tiny_model_dir, tmp_path):
+    backend = art.LocalBackend(path=tmp_path / "art")
+    model = art.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir), lora_config={"r": 4})
+    await model.register(backend)
+    try:
+        client = model.openai_client()
+        ask = [{"role": "user", "content": "hi"}]
+
+        async def one(seed: int) -> art.Trajectory:
+            reply = await client.chat.completions.create(
+                model=model.get_inference_name(0), messages=ask, max_tokens=8, seed=seed
+            )
+            return art.Trajectory(messages_and_choices=[*ask, reply.choices[0]], reward=float(seed % 2))
+
+        groups = await art.gather_trajectory_groups(
+            [art.TrajectoryGroup(one(s) for s in range(4))], pbar=False
+        )
+        result = await backend.train(model, groups, learning_rate=1e-3)  # ART's new-style call
+        assert result.step == 1 and result.metrics["optimizer_steps"] == 1
+        await client.chat.completions.create(model=model.get_inference_name(1), messages=ask, max_tokens=2)
+        with pytest.raises(openai.NotFoundError):  # the step the gateway no longer serves
+            await client.chat.completions.create(
+                model=model.get_inference_name(0), messages=ask, max_tokens=2
+            )
+
+        await model.log(groups[0].trajectories, split="val")  # trajectories: one group, as in ART
+        await model.log(metrics={"pass_rate": 0.5}, split="val", step=1)
+        rows = [
+            json.loads(line) for line in (backend.directory(model) / "history.jsonl").read_text().splitlines()
+        ]
+        val = [r for r in rows if r["split"] == "val"]
+        assert val[0]["trajectories"] == 4 and val[1] == {**val[1], "pass_rate": 0.5, "step": 1}
+        await model.delete_checkpoints(best_checkpoint_metric="val/reward")
+
+        baseline = art.Model(  # a prompted baseline: here the same gateway, as any OpenAI-compatible endpoint
+            name="baseline",
+            project="p",
+            inference_base_url=model.inference_base_url,
+            inference_api_key=model.inference_api_key,
+            inference_model_name=model.name,
+        )
+        await baseline.register(backend)
+        reply = await baseline.openai_client().chat.completions.create(
+            model=baseline.get_inference_name(), messages=ask, max_tokens=2
+        )
+        trajectory = art.Trajectory(messages_and_choices=[*ask, reply.choices[0]], reward=1.0)
+        await baseline.log([trajectory], split="val")
+        assert (backend.directory(baseline) / "history.jsonl").exists()
+    finally:
+        await backend.close()
+
+
+@pytest.mark.slow
+def test_arts_temporal_clue_loop_runs_ported(tiny_model_dir, tmp_path):
+    env = {**os.environ, "BASE_MODEL": str(tiny_model_dir), "VAL": "2", "GROUP": "2", "STEPS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    history = tmp_path / ".artrl" / "temporal-clue" / "001" / "history.jsonl"
+    rows = [json.loads(line) for line in history.read_text().splitlines()]
+    assert [(r["split"], r["step"]) for r in rows] == [("val", 0), ("train", 1)]
+    assert rows[0]["trajectories"] == 4 and rows[1]["groups"] == 4
