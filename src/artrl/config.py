@@ -200,6 +200,9 @@ class GatewayConfig(_Frozen):
     completion_store_size: int = Field(
         default=20_000, ge=0, description="completions remembered for token-exact continuation (LRU)"
     )
+    stored_responses: int = Field(
+        default=1000, ge=0, description="Responses API: the last responses kept for `previous_response_id`"
+    )
     startup_timeout_s: float = Field(default=60.0, gt=0)
     keep_alive_s: float = Field(
         default=75.0,

@@ -24,7 +24,10 @@ from artrl.capturing import CAPTURE_HEADER
 from artrl.config import GatewayConfig  # the one name of the header clients send
 from artrl.local.engine import EngineError
 from artrl.local.gateway.captures import CaptureStore
+from artrl.local.gateway.dialects import Dialect, chat_choice, stream_error, usage
+from artrl.local.gateway.messages_api import MessagesDialect
 from artrl.local.gateway.protocol import RequestError, parse_request
+from artrl.local.gateway.responses_api import ResponsesDialect
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -80,7 +83,7 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
 
     preparing_now = 0  # requests being read and prepared; the serving layer counts those generating
 
-    async def chat(request: Request, capture_id: str | None):
+    async def chat(request: Request, capture_id: str | None, dialect: Dialect | None = None):
         nonlocal preparing_now
         busy = preparing_now + serving.generating
         if busy >= max_inflight:
@@ -90,9 +93,9 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
                 code="too_many_requests",
                 status=429,
             )
-        return await _chat(request, capture_id)
+        return await _chat(request, capture_id, dialect)
 
-    async def _chat(request: Request, capture_id: str | None):
+    async def _chat(request: Request, capture_id: str | None, dialect: Dialect | None):
         nonlocal preparing_now
         preparing_now += 1
         try:
@@ -100,7 +103,7 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
             if capture_id is not None:
                 store.check(capture_id)
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(preparing, lambda: serving.prepare(parse_request(raw)))
+            prepared, context = await loop.run_in_executor(preparing, lambda: _prepare(serving, raw, dialect))
         finally:
             preparing_now -= 1
 
@@ -109,7 +112,12 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
                 store.add(capture_id, _record(prepared, choices))
 
         if prepared.request.stream:
-            return StreamingResponse(_sse(serving, prepared, record), media_type="text/event-stream")
+            events = (
+                _sse(serving, prepared, record)
+                if dialect is None
+                else dialect.stream(serving, prepared, record, context)
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
         work = asyncio.ensure_future(_complete(serving, prepared))
         try:
             while not (await asyncio.wait({work}, timeout=0.25))[0]:
@@ -125,7 +133,7 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
             work.cancel()
         if capture_id is not None and not await request.is_disconnected():
             record(body["choices"])  # not a call whose client gave up (and may retry): it never saw it
-        return JSONResponse(body)
+        return JSONResponse(body if dialect is None else dialect.reply(prepared, body, context))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -134,6 +142,21 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
     @app.post("/capture/{capture_id}/v1/chat/completions")
     async def capture_chat_completions(capture_id: str, request: Request):
         return await chat(request, capture_id)
+
+    def add_dialect(name: str, dialect: Dialect) -> None:
+        """POST /v1/{name} and its capture twin, answered through the chat path (see dialects.py)."""
+
+        async def plain(request: Request):
+            return await chat(request, request.headers.get(CAPTURE_HEADER), dialect)
+
+        async def captured(capture_id: str, request: Request):
+            return await chat(request, capture_id, dialect)
+
+        app.post(f"/v1/{name}")(plain)
+        app.post(f"/capture/{{capture_id}}/v1/{name}")(captured)
+
+    add_dialect("responses", ResponsesDialect(config))
+    add_dialect("messages", MessagesDialect())
 
     @app.post("/v1/captures")
     async def open_capture() -> dict[str, Any]:
@@ -149,7 +172,8 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
 class _Guard:
     """Pure ASGI middleware (a Starlette `BaseHTTPMiddleware` would hide client disconnects from the routes):
 
-    - the API key, when one is set, on /v1/ and /capture/ routes, checked before the body is read;
+    - the API key, when one is set, on /v1/ and /capture/ routes (as a bearer token or, as Anthropic's
+      clients send it, `x-api-key`), checked before the body is read;
     - a body must be JSON and say so: a web page's form or text/plain POST, which browsers send cross-site
       without asking first, never reaches the gateway (415)."""
 
@@ -169,9 +193,13 @@ class _Guard:
         path = scope["path"]
         if self.api_key is not None and path.startswith(("/v1/", "/capture/")):
             scheme, _, given = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+                given = headers.get("x-api-key", "")
+            if not given or not hmac.compare_digest(given.encode(), self.api_key.encode()):
                 return _error(
-                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                    "invalid_api_key",
                 )
         if scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
@@ -206,6 +234,13 @@ async def _bounded_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _prepare(serving: ChatServing, raw: bytes, dialect: Dialect | None) -> tuple[PreparedRequest, Any]:
+    """The request checked, rendered and tokenised (a dialect's translated to chat first), and what its
+    dialect keeps for the answer."""
+    body, context = (raw, None) if dialect is None else dialect.chat_request(raw)
+    return serving.prepare(parse_request(body)), context
+
+
 async def _complete(serving: ChatServing, prepared: PreparedRequest) -> dict[str, Any]:
     """Non-streaming = the fold of the streaming events."""
     results: list[ChoiceResult] = []
@@ -213,38 +248,20 @@ async def _complete(serving: ChatServing, prepared: PreparedRequest) -> dict[str
         if isinstance(event, ChoiceResult):
             results.append(event)
     results.sort(key=lambda r: r.index)
-    choices = [_choice(serving, prepared, r) for r in results]
+    choices = [chat_choice(serving, prepared, r) for r in results]
     return {
         "id": prepared.id,
         "object": "chat.completion",
         "created": prepared.created,
         "model": prepared.request.model,
         "choices": choices,
-        "usage": _usage(prepared, results),
-    }
-
-
-def _choice(serving: ChatServing, prepared: PreparedRequest, result: ChoiceResult) -> dict[str, Any]:
-    """A whole choice as a non-streaming response carries it (and as a capture records it)."""
-    want_logprobs = bool(prepared.request.logprobs)
-    return {
-        "index": result.index,
-        "message": result.message,
-        "finish_reason": result.finish_reason,
-        "logprobs": {"content": serving.logprob_entries(result.tokens)} if want_logprobs else None,
-        **serving.token_fields(result),
+        "usage": usage(prepared, results),
     }
 
 
 def _record(prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
     """What a capture keeps of a call: the checked messages (only the keys the gateway reads), tools, choices."""
     return {"id": prepared.id, "messages": prepared.messages, "tools": prepared.tools, "choices": choices}
-
-
-def _usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, int]:
-    completion = sum(len(r.tokens) for r in results)
-    prompt = len(prepared.prompt.ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _delta_parts(event: Delta, calls_sent: dict[int, int]) -> list[dict[str, Any]]:
@@ -302,7 +319,7 @@ async def _sse(
             results.append(event)
             if len(results) == prepared.request.n:  # before the last chunk goes out: a client that stops
                 # reading at finish_reason and leaves its capture block must still find the call recorded
-                record([_choice(serving, prepared, r) for r in sorted(results, key=lambda r: r.index)])
+                record([chat_choice(serving, prepared, r) for r in sorted(results, key=lambda r: r.index)])
             yield chunk(
                 [
                     {
@@ -316,15 +333,10 @@ async def _sse(
             )
         options = prepared.request.stream_options
         if options is not None and options.include_usage:
-            yield chunk([], usage=_usage(prepared, results))
+            yield chunk([], usage=usage(prepared, results))
     except EngineError as exc:  # headers are sent: report the failure in the stream itself
-        yield _stream_error(exc, "engine_error")
+        yield stream_error(exc, "engine_error")
     except Exception as exc:
         log.exception("stream failed")
-        yield _stream_error(exc, "internal_error")
+        yield stream_error(exc, "internal_error")
     yield b"data: [DONE]\n\n"
-
-
-def _stream_error(exc: Exception, code: str) -> bytes:
-    body = RequestError(f"generation failed: {type(exc).__name__}: {exc}", code=code, status=500).body()
-    return f"data: {json.dumps(body)}\n\n".encode()

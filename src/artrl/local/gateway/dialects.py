@@ -1,0 +1,62 @@
+"""Other request shapes the gateway answers, each served by the chat-completions path it amounts to.
+
+A dialect (the Responses API, Anthropic Messages) translates its request into a chat-completions request,
+and the chat completion (or the serving layer's stream of events) back into its own response. Everything
+between — rendering, continuation of earlier calls, generation, captures, training records — is the chat
+path's, so a call in any dialect is recorded token-exactly, like a chat completion.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from artrl.local.gateway.protocol import RequestError
+
+if TYPE_CHECKING:
+    from artrl.local.gateway.serving import ChatServing, ChoiceResult, PreparedRequest
+
+Record = Callable[[list[dict[str, Any]]], None]
+"""Records a finished call's chat-format choices in its capture (a no-op outside one)."""
+
+
+class Dialect(Protocol):
+    def chat_request(self, raw: bytes) -> tuple[bytes, Any]:
+        """The chat-completions request body (JSON) this request amounts to, and what the dialect keeps of the
+        request for its answer (passed back to `reply`/`stream`); RequestError when it is invalid."""
+        ...
+
+    def reply(self, prepared: PreparedRequest, completion: dict[str, Any], context: Any) -> dict[str, Any]:
+        """The non-streaming answer, from the chat completion the gateway made."""
+        ...
+
+    def stream(
+        self, serving: ChatServing, prepared: PreparedRequest, record: Record, context: Any
+    ) -> AsyncIterator[bytes]:
+        """The streaming answer (server-sent events) from the serving layer's events; calls `record` with
+        the chat-format choices before the last event goes out."""
+        ...
+
+
+def chat_choice(serving: ChatServing, prepared: PreparedRequest, result: ChoiceResult) -> dict[str, Any]:
+    """A whole choice as a non-streaming response carries it (and as a capture records it)."""
+    want_logprobs = bool(prepared.request.logprobs)
+    return {
+        "index": result.index,
+        "message": result.message,
+        "finish_reason": result.finish_reason,
+        "logprobs": {"content": serving.logprob_entries(result.tokens)} if want_logprobs else None,
+        **serving.token_fields(result),
+    }
+
+
+def usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, int]:
+    completion = sum(len(r.tokens) for r in results)
+    prompt = len(prepared.prompt.ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def stream_error(exc: Exception, code: str) -> bytes:
+    body = RequestError(f"generation failed: {type(exc).__name__}: {exc}", code=code, status=500).body()
+    return f"data: {json.dumps(body)}\n\n".encode()

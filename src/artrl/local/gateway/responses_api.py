@@ -1,0 +1,408 @@
+"""`POST /v1/responses`: OpenAI's Responses API, served through the chat path (see dialects.py).
+
+Input items (messages, `function_call`, `function_call_output`, `reasoning`) become chat messages; function
+tools become chat tools; `previous_response_id` continues a response this gateway made (kept in memory, the
+last `GatewayConfig.stored_responses`), so a conversation continues token-exactly either way: sent back
+whole, or by id. The answer's output items are the chat completion's reasoning, text and tool calls, with
+the same token fields a chat choice carries (`prompt_token_ids`, `token_ids`, ...) on the response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from artrl.config import GatewayConfig
+from artrl.local.engine import EngineError
+from artrl.local.gateway.dialects import Record, chat_choice, stream_error
+from artrl.local.gateway.protocol import RequestError
+from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
+
+# accepted and without effect here (bookkeeping of OpenAI's hosted service)
+_IGNORED = frozenset(
+    {"store", "metadata", "user", "include", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+_PASSED = {  # Responses field -> chat field
+    "model": "model",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_output_tokens": "max_tokens",
+    "parallel_tool_calls": "parallel_tool_calls",
+    "stream": "stream",
+    "top_logprobs": "top_logprobs",
+    # artrl's and vLLM's extensions, as on chat completions
+    "seed": "seed",
+    "stop": "stop",
+    "ignore_eos": "ignore_eos",
+    "chat_template_kwargs": "chat_template_kwargs",
+}
+
+
+@dataclass
+class Asked:
+    """What an answer repeats of its request, and the conversation it continues."""
+
+    body: dict[str, Any]
+    history: list[dict[str, Any]]  # chat messages without the instructions (what previous_response_id keeps)
+    response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(
+                    f"{where}: content part {kind!r} is not supported (text only)", param="input"
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise RequestError(f"{where}: content must be a string or a list of text parts", param="input")
+
+
+def input_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """Responses input items -> chat messages (consecutive assistant items make one assistant message)."""
+    messages: list[dict[str, Any]] = []
+
+    def assistant() -> dict[str, Any]:
+        if not messages or messages[-1]["role"] != "assistant" or messages[-1].get("_closed"):
+            messages.append({"role": "assistant", "content": ""})
+        return messages[-1]
+
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise RequestError(f"input[{i}] must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise RequestError(
+                    f"input[{i}]: role {role!r} is not one of user, system, developer, assistant"
+                )
+            text = _text(item.get("content"), f"input[{i}]")
+            if role == "assistant":
+                message = assistant()
+                message["content"] = (message.get("content") or "") + text
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function"}
+            call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "")}
+            if not isinstance(call["id"], str) or not isinstance(call["function"]["name"], str):
+                raise RequestError(f"input[{i}]: a function_call needs call_id and name", param="input")
+            assistant().setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1]["_closed"] = True
+            output = item.get("output")
+            content = output if isinstance(output, str) else _text(output, f"input[{i}].output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
+        elif kind == "reasoning":
+            text = "".join(str(p.get("text", "")) for p in item.get("content") or [] if isinstance(p, dict))
+            if text:
+                assistant()["reasoning_content"] = text
+        else:
+            raise RequestError(f"input[{i}]: item type {kind!r} is not supported", param="input")
+    for message in messages:
+        message.pop("_closed", None)
+    return messages
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    out = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise RequestError(
+                f"tools[{i}]: only function tools are served here, not {kind!r}", param="tools"
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+class ResponsesDialect:
+    def __init__(self, config: GatewayConfig) -> None:
+        self._kept: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # response id -> its conversation
+        self._limit = config.stored_responses
+
+    # ---------------------------------------------------------------- request
+    def chat_request(self, raw: bytes) -> tuple[bytes, Asked]:
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise RequestError(f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        unknown = set(body) - set(_PASSED) - _IGNORED - {"input", "instructions", "tools", "tool_choice"}
+        unknown -= {"previous_response_id", "reasoning", "text", "truncation"}
+        if unknown:
+            raise RequestError(f"unsupported parameter(s): {', '.join(sorted(unknown))}", param=min(unknown))
+        history = list(self._previous(body.get("previous_response_id")))
+        given = body.get("input", [])
+        history += input_messages([{"role": "user", "content": given}] if isinstance(given, str) else given)
+        instructions = body.get("instructions")
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+        chat: dict[str, Any] = {_PASSED[k]: v for k, v in body.items() if k in _PASSED and v is not None}
+        chat.update(messages=messages, tools=_tools(body.get("tools")) or None)
+        if body.get("tool_choice") is not None:
+            chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        if body.get("top_logprobs"):
+            chat["logprobs"] = True
+        fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+        if fmt.get("type") == "json_schema":
+            schema = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+            chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+        elif fmt.get("type") != "text":
+            chat["response_format"] = fmt
+        effort = (body.get("reasoning") or {}).get("effort")
+        if effort is not None:  # gpt-oss's template reads it; any other template refuses it by name
+            chat["chat_template_kwargs"] = {
+                **chat.get("chat_template_kwargs", {}),
+                "reasoning_effort": effort,
+            }
+        if body.get("truncation") not in (None, "disabled"):
+            raise RequestError("truncation='auto' is not supported: the gateway never drops earlier input")
+        return json.dumps({k: v for k, v in chat.items() if v is not None}).encode(), Asked(body, history)
+
+    def _previous(self, response_id: Any) -> list[dict[str, Any]]:
+        if response_id is None:
+            return []
+        kept = self._kept.get(response_id) if isinstance(response_id, str) else None
+        if kept is None:
+            raise RequestError(
+                f"previous response {response_id!r} not found: the gateway keeps its last {self._limit} "
+                "responses in memory (GatewayConfig.stored_responses); send the conversation as input instead",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return kept
+
+    def _keep(self, asked: Asked, message: dict[str, Any]) -> None:
+        if self._limit <= 0:
+            return
+        reply = {
+            k: message[k] for k in ("role", "content", "tool_calls", "reasoning_content") if message.get(k)
+        }
+        self._kept[asked.response_id] = [*asked.history, {"content": "", **reply}]
+        while len(self._kept) > self._limit:
+            self._kept.popitem(last=False)
+
+    # ---------------------------------------------------------------- answers
+    def reply(self, prepared: PreparedRequest, completion: dict[str, Any], context: Asked) -> dict[str, Any]:
+        choice = completion["choices"][0]
+        self._keep(context, choice["message"])
+        return self._response(context, output_items(choice["message"]), choice, completion["usage"])
+
+    def _response(
+        self,
+        asked: Asked,
+        output: list[dict[str, Any]],
+        choice: dict[str, Any] | None,
+        use: dict[str, int] | None,
+    ) -> dict[str, Any]:
+        body = asked.body
+        incomplete = choice is not None and choice["finish_reason"] == "length"
+        status = "in_progress" if choice is None else "incomplete" if incomplete else "completed"
+        response = {
+            "id": asked.response_id,
+            "object": "response",
+            "created_at": asked.created,
+            "status": status,
+            "model": body.get("model"),
+            "output": output,
+            "instructions": body.get("instructions"),
+            "previous_response_id": body.get("previous_response_id"),
+            "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {},
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        }
+        if use is not None:
+            response["usage"] = {
+                "input_tokens": use["prompt_tokens"],
+                "output_tokens": use["completion_tokens"],
+                "total_tokens": use["total_tokens"],
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
+        if choice is not None:  # the token-exact record, as on a chat choice
+            for key in ("prompt_token_ids", "token_ids", "token_logprobs", "prompt_source", "policy_step"):
+                response[key] = choice.get(key)
+        return response
+
+    async def stream(
+        self, serving: ChatServing, prepared: PreparedRequest, record: Record, context: Asked
+    ) -> AsyncIterator[bytes]:
+        events = ResponseEvents()
+        yield events.event("response.created", response=self._response(context, [], None, None))
+        try:
+            async for event in serving.events(prepared, streaming=True):
+                if isinstance(event, Delta):
+                    for out in events.pieces(event):
+                        yield out
+                elif isinstance(event, ChoiceResult):
+                    for out in events.close():
+                        yield out
+                    choice = chat_choice(serving, prepared, event)
+                    record([choice])
+                    self._keep(context, event.message)
+                    use = {
+                        "prompt_tokens": len(prepared.prompt.ids),
+                        "completion_tokens": len(event.tokens),
+                        "total_tokens": len(prepared.prompt.ids) + len(event.tokens),
+                    }
+                    final = self._response(context, events.output, choice, use)
+                    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+                    yield events.event(kind, response=final)
+        except EngineError as exc:
+            yield stream_error(exc, "engine_error")
+        except Exception as exc:  # headers are sent: the failure goes in the stream
+            yield stream_error(exc, "internal_error")
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat assistant message -> Responses output items: reasoning, text, then each function call."""
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        items.append(_message_item(message["content"], "completed"))
+    for call in message.get("tool_calls") or []:
+        items.append(_call_item(call, "completed"))
+    return items
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": content}
+
+
+def _message_item(text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if text else []
+    return {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex}",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def _call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
+    function = call["function"]
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call["id"],
+        "name": function["name"],
+        "arguments": function["arguments"],
+        "status": status,
+    }
+
+
+class ResponseEvents:
+    """The Responses streaming events of one response, built as the serving layer's pieces arrive."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being written
+        self.text = ""
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+
+    def pieces(self, delta: Delta) -> list[bytes]:
+        out: list[bytes] = []
+        for piece in delta.pieces:
+            if piece.kind in ("reasoning", "content"):
+                kind = "reasoning" if piece.kind == "reasoning" else "message"
+                if self.open is None or self.open["type"] != kind:
+                    out += self.close()
+                    out += self._open(kind)
+                self.text += piece.text
+                name = (
+                    "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+                )
+                extra = {} if kind == "reasoning" else {"logprobs": []}
+                out.append(self.event(name, delta=piece.text, **self._where(), **extra))
+            else:
+                assert piece.call is not None
+                out += self.close()
+                item = _call_item(piece.call.as_openai(), "in_progress")
+                self.output.append(item)
+                index = len(self.output) - 1
+                out.append(
+                    self.event(
+                        "response.output_item.added", item={**item, "arguments": ""}, output_index=index
+                    )
+                )
+                where = {"item_id": item["id"], "output_index": index}
+                out.append(
+                    self.event("response.function_call_arguments.delta", delta=item["arguments"], **where)
+                )
+                out.append(
+                    self.event("response.function_call_arguments.done", arguments=item["arguments"], **where)
+                )
+                item["status"] = "completed"
+                out.append(self.event("response.output_item.done", item=item, output_index=index))
+        return out
+
+    def _open(self, kind: str) -> list[bytes]:
+        item = _reasoning_item("") if kind == "reasoning" else _message_item("", "in_progress")
+        item["content"] = []
+        self.open, self.text = item, ""
+        self.output.append(item)
+        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _text_part("")
+        return [
+            self.event("response.output_item.added", item=item, output_index=len(self.output) - 1),
+            self.event("response.content_part.added", part=part, **self._where()),
+        ]
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        item, where = self.open, self._where()
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": self.text}
+            done = [self.event("response.reasoning_text.done", text=self.text, **where)]
+        else:
+            part = _text_part(self.text)
+            done = [self.event("response.output_text.done", text=self.text, logprobs=[], **where)]
+            item["status"] = "completed"
+        item["content"] = [part]
+        done.append(self.event("response.content_part.done", part=part, **where))
+        done.append(self.event("response.output_item.done", item=item, output_index=where["output_index"]))
+        self.open = None
+        return done
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
