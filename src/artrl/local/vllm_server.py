@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -117,6 +118,8 @@ class VLLMServer:
         dtype: str = "auto",
         on_cpu: bool = False,
         load: LoadConfig | None = None,
+        env: dict[str, str] | None = None,
+        cancel: threading.Event | None = None,
     ) -> VLLMServer:
         python = find_vllm_python(config.python)
         port = free_port()
@@ -140,6 +143,8 @@ class VLLMServer:
             args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
         if config.sleep_while_training:
             args += ["--enable-sleep-mode"]
+        if config.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
         args += list(config.extra_args)
         api_key = secrets.token_urlsafe(32)  # in the environment, not the command line (`ps` shows that)
         env = {
@@ -150,7 +155,7 @@ class VLLMServer:
                 "VLLM_CPU_KVCACHE_SPACE", f"{config.cpu_kv_cache_gib:g}"
             ),
             "PYTHONUNBUFFERED": "1",
-            **config.env,
+            **(config.env if env is None else env),  # env: this server's (VLLMConfig.env and placement)
         }
         if config.sleep_while_training:
             env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -170,16 +175,18 @@ class VLLMServer:
             )
         server = cls(process, f"http://127.0.0.1:{port}", log_path, config, api_key)
         try:
-            server._wait_healthy()
+            server._wait_healthy(cancel)
         except BaseException:
             server.stop()
             raise
         return server
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, cancel: threading.Event | None = None) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         with httpx.Client(timeout=5.0) as http:
             while True:
+                if cancel is not None and cancel.is_set():
+                    raise VLLMStartError("the vLLM server's start was cancelled (its engine is closing)")
                 code = self.process.poll()
                 if code is not None:
                     raise VLLMStartError(
