@@ -301,9 +301,9 @@ from pathlib import Path
 from artrl.config import VLLMConfig
 from artrl.local import vllm_server
 real_wait = vllm_server.VLLMServer._wait_healthy
-def report_then_wait(self):
+def report_then_wait(self, *args):
     print(os.getpgid(self.process.pid), flush=True)
-    real_wait(self)
+    real_wait(self, *args)
 vllm_server.VLLMServer._wait_healthy = report_then_wait
 vllm_server.VLLMServer.start({str(tiny_model_dir)!r}, "t", Path({str(tmp_path / "log")!r}), VLLMConfig(), max_model_len=256)
 """
