@@ -152,6 +152,7 @@ def served_by(before: list[float], after: list[float]) -> list[int]:
     return [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
 
 
+@pytest.mark.vllm
 async def test_a_conversation_stays_on_its_replica_and_new_ones_spread(pair):
     model, engine = pair
     client = model.openai_client()
@@ -209,6 +210,7 @@ def trainer_logprobs(model, prompt: list[int], sampled: list[int]) -> list[float
     return picked.tolist()
 
 
+@pytest.mark.vllm
 async def test_each_step_is_served_by_every_replica(pair):
     model, engine = pair
     client = model.openai_client()
@@ -261,6 +263,7 @@ async def test_each_step_is_served_by_every_replica(pair):
         assert choice.model_extra["token_logprobs"] == pytest.approx(got, abs=1e-4)
 
 
+@pytest.mark.vllm
 async def test_a_replica_that_dies_is_restarted_and_the_gateway_goes_on(pair):
     model, engine = pair
     client = model.openai_client(max_retries=0)
@@ -316,3 +319,99 @@ async def test_a_replica_that_dies_is_restarted_and_the_gateway_goes_on(pair):
     )
     assert served_by(before, counts(engine)) == [0, 1]
     assert engine.replica_stats()[victim]["restarts"] == 1
+
+
+# ---------------------------------------------------------------- the supervisor, over fake servers
+class FakeVLLM:
+    """A stand-in vLLM server on a local port: /health answers 200 while `healthy`; adapter loads are
+    recorded; `alive` plays its process."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.healthy, self.alive, self.loads, self.stopped = True, True, [], False
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200 if fake.healthy else 503)
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.loads.append((self.path, body.get("lora_name")))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.base_url, self.api_key, self.log_path = (
+            f"http://127.0.0.1:{self.http.server_port}",
+            "k",
+            "fake.log",
+        )
+
+    def describe_exit(self) -> str:
+        return "the fake server exited"
+
+    def stop(self) -> None:
+        self.alive, self.stopped = False, True
+        self.http.shutdown()
+        self.http.server_close()
+
+
+async def until(condition, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+FAST = {"health_check_interval_s": 0.05, "connect_timeout_s": 2, "request_timeout_s": 5}
+
+
+async def test_the_supervisor_restarts_a_replica_and_loads_the_adapter_before_it_serves():
+    first = [FakeVLLM(), FakeVLLM()]
+    started: list[FakeVLLM] = []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append(FakeVLLM())
+        return started[-1]
+
+    config = VLLMConfig(health_failures_before_restart=2, max_restarts=1, **FAST)
+    replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(first)]
+    engine = VLLMEngine(replicas, "m", "m", 2048, config, start)
+    await engine.load_adapter(1, "/ckpt/0001")
+    assert [s.loads for s in first] == [[("/v1/load_lora_adapter", "m@1")]] * 2
+    first[0].healthy = False  # alive, but not answering: restarted after 2 failed checks
+    await until(lambda: engine.replicas[0].restarts == 1 and engine.replicas[0].state == "up")
+    assert first[0].stopped and started[0].loads == [("/v1/load_lora_adapter", "m@1")]
+    assert engine.replicas[0].server is started[0] and engine.replicas[0].base_url == started[0].base_url
+    assert engine.replicas.eligible("m@1") == [0, 1]
+    first[1].alive = False  # its process exited; restarted at once
+    await until(lambda: engine.replicas[1].restarts == 1 and engine.replicas[1].state == "up")
+    assert engine.replicas[1].adapters == ["m@1"]
+    started[0].alive = False  # beyond max_restarts: it stays down, the other serves
+    await until(lambda: engine.replicas[0].state == "failed")
+    assert engine.replicas.eligible("m@1") == [1] and len(started) == 2
+    await engine.close()
+    assert all(s.stopped for s in started)
+
+
+async def test_a_server_artrl_did_not_start_is_used_again_once_it_answers():
+    fake = FakeVLLM()
+    engine = VLLMEngine([Replica(0, fake.base_url, "k")], "m", "m", 2048, VLLMConfig(**FAST))
+    await engine.load_adapter(3, "/ckpt/0003")
+    fake.healthy = False
+    await until(lambda: engine.replicas[0].state == "down")
+    assert engine.replicas.eligible("m@3") == [] and not fake.stopped  # not ours to stop or restart
+    fake.loads.clear()
+    fake.healthy = True
+    await until(lambda: engine.replicas[0].state == "up")
+    assert fake.loads == [("/v1/load_lora_adapter", "m@3")] and engine.replicas[0].restarts == 0
+    await engine.close()
+    fake.stop()
