@@ -415,3 +415,17 @@ async def test_a_server_artrl_did_not_start_is_used_again_once_it_answers():
     assert fake.loads == [("/v1/load_lora_adapter", "m@3")] and engine.replicas[0].restarts == 0
     await engine.close()
     fake.stop()
+
+
+def test_the_tensor_parallel_size_reaches_the_server_command(tmp_path):
+    """A stand-in interpreter that exits at once: the start fails, quoting the log and its command line."""
+    from artrl.local.vllm_server import VLLMServer, VLLMStartError
+
+    config = VLLMConfig(python="/bin/true", tensor_parallel_size=2)
+    with pytest.raises(VLLMStartError, match="--tensor-parallel-size 2"):
+        VLLMServer.start(str(tmp_path), "m", tmp_path / "vllm.log", config, max_model_len=64)
+    with pytest.raises(VLLMStartError) as failure:
+        VLLMServer.start(
+            str(tmp_path), "m", tmp_path / "vllm.log", VLLMConfig(python="/bin/true"), max_model_len=64
+        )
+    assert "tensor-parallel" not in str(failure.value).splitlines()[-1]  # one device: vLLM's default, unsaid
