@@ -98,7 +98,11 @@ class ReplicaRouter:
     def _affine(self, prefix: list[int], eligible: Collection[int]) -> int | None:
         """The replica that served the longest remembered sequence the prompt starts with (the prompt itself
         included: a retried or repeated call), if it is eligible and its cache is from the same life."""
-        for length in sorted((n for n in self._lengths if n < len(prefix)), reverse=True):
+        if len(self._lengths) < len(prefix):  # whichever is fewer: the remembered lengths, or the positions
+            lengths = sorted((n for n in self._lengths if n < len(prefix)), reverse=True)
+        else:
+            lengths = [n for n in range(len(prefix) - 1, -1, -1) if n in self._lengths]
+        for length in lengths:
             key = (length, prefix[length])
             owner = self._owner.get(key)
             if owner is None:
