@@ -7,7 +7,7 @@ import pytest
 
 from artrl.config import VLLMConfig
 from artrl.local.replica_router import ReplicaRouter
-from artrl.local.vllm_replicas import replica_placement
+from artrl.local.vllm_server import replica_placement
 
 BOTH = (0, 1)
 

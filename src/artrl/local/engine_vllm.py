@@ -165,8 +165,8 @@ class VLLMEngine:
                     end_all("error", f"{reason}{streamed}")
                     return
                 tried.add(route.replica)
-                notes.append(f"{reason}; sent to another replica.")
-                log.warning(notes[-1])
+                notes.append(f"{reason}.")
+                log.warning("%s; trying another replica", reason)
 
     def _done(self, route: Route, completions: list[list[int]] | None = None) -> None:
         with self._router_lock:

@@ -32,8 +32,8 @@ from artrl.local.loading import (
 )
 from artrl.local.server import GatewayServer
 from artrl.local.trainer import Trainer, attach_adapter
-from artrl.local.vllm_replicas import Replica, replica_placement
-from artrl.local.vllm_server import VLLMServer
+from artrl.local.vllm_replicas import Replica
+from artrl.local.vllm_server import VLLMServer, replica_placement
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,37 +51,6 @@ class Replica:
 
     def name(self) -> str:
         return f"vLLM replica {self.index} ({self.base_url})"
-
-
-def replica_placement(
-    index: int,
-    replicas: int,
-    tensor_parallel: int,
-    on_cpu: bool,
-    cores: list[int],
-    env: Mapping[str, str],
-    visible_gpus: list[str] | None = None,
-) -> dict[str, str]:
-    """Where replica `index` runs when several share a machine and `env` (the user's) does not say: on CPU,
-    its own cores for vLLM's OpenMP threads ('a,b|c,d': one list per tensor-parallel rank; 'nobind' when
-    there are fewer cores than ranks: vLLM's automatic binding would put every replica on the same cores);
-    on GPUs, its own `tensor_parallel` devices among `visible_gpus` (CUDA_VISIBLE_DEVICES; None = all)."""
-    if replicas == 1:
-        return {}
-    if on_cpu:
-        if "VLLM_CPU_OMP_THREADS_BIND" in env:
-            return {}
-        share = len(cores) // (replicas * tensor_parallel)
-        if share == 0:
-            return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        ranks = range(index * tensor_parallel, (index + 1) * tensor_parallel)
-        lists = [",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in ranks]
-        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists)}
-    if "CUDA_VISIBLE_DEVICES" in env:
-        return {}
-    devices = visible_gpus or [str(i) for i in range(replicas * tensor_parallel)]
-    mine = devices[index * tensor_parallel : (index + 1) * tensor_parallel]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if len(mine) == tensor_parallel else {}
 
 
 class ReplicaSet:
@@ -132,7 +101,8 @@ class ReplicaSet:
         parts = []
         for r in self.replicas:
             if r.state == "up":
-                why = f"does not hold {target!r} yet" if target not in r.adapters else "failed this request"
+                lacks = target != self.base_name and target not in r.adapters
+                why = f"does not hold {target!r} yet" if lacks else "failed this request"
             else:
                 why = f"is {r.state}" + (f": {r.down_reason}" if r.down_reason else "")
             parts.append(f"{r.name()} {why}")

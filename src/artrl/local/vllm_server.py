@@ -18,6 +18,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -91,6 +92,37 @@ def load_args(load: LoadConfig, full_weights: bool) -> list[str]:
     if load.quantization == "4bit":
         args += ["--quantization", "bitsandbytes"]  # the trainer's NF4 weights, quantized the same way
     return args
+
+
+def replica_placement(
+    index: int,
+    replicas: int,
+    tensor_parallel: int,
+    on_cpu: bool,
+    cores: list[int],
+    env: Mapping[str, str],
+    visible_gpus: list[str] | None = None,
+) -> dict[str, str]:
+    """Where replica `index` runs when several share a machine and `env` (the user's) does not say: on CPU,
+    its own cores for vLLM's OpenMP threads ('a,b|c,d': one list per tensor-parallel rank; 'nobind' when
+    there are fewer cores than ranks: vLLM's automatic binding would put every replica on the same cores);
+    on GPUs, its own `tensor_parallel` devices among `visible_gpus` (CUDA_VISIBLE_DEVICES; None = all)."""
+    if replicas == 1:
+        return {}
+    if on_cpu:
+        if "VLLM_CPU_OMP_THREADS_BIND" in env:
+            return {}
+        share = len(cores) // (replicas * tensor_parallel)
+        if share == 0:
+            return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        ranks = range(index * tensor_parallel, (index + 1) * tensor_parallel)
+        lists = [",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in ranks]
+        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists)}
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return {}
+    devices = visible_gpus or [str(i) for i in range(replicas * tensor_parallel)]
+    mine = devices[index * tensor_parallel : (index + 1) * tensor_parallel]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if len(mine) == tensor_parallel else {}
 
 
 class VLLMServer:
