@@ -116,3 +116,11 @@ def test_replica_settings_are_checked():
         VLLMConfig(url=[])
     with pytest.raises(ValueError, match="2 entries for 3 replicas"):
         VLLMConfig(replicas=3, replica_env=({}, {}))
+    import artrl
+
+    backend = artrl.LocalBackend(engine="vllm", vllm_url=["http://a:1", "http://b:2"])
+    assert backend.engine_config.vllm.urls == ("http://a:1", "http://b:2")
+    with pytest.raises(ValueError, match="artrl starts no server when url is set"):
+        artrl.LocalBackend(
+            engine=artrl.EngineConfig(kind="vllm", vllm=VLLMConfig(replicas=2)), vllm_url="http://a:1"
+        )

@@ -81,7 +81,7 @@ class LocalBackend:
                 raise ValueError("vllm_url= needs engine='vllm'")
             url = vllm_url if isinstance(vllm_url, str) else tuple(vllm_url)
             engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"url": url})})
-            VLLMConfig.model_validate(engine.vllm.model_dump())
+            VLLMConfig.model_validate(engine.vllm.model_dump(exclude_unset=True))  # as if given together
         self.engine_config = engine
         self.gateway_config = gateway or GatewayConfig()
         self._services: dict[tuple[str, str], LocalService] = {}
