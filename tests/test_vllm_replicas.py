@@ -210,9 +210,7 @@ def trainer_logprobs(model, prompt: list[int], sampled: list[int]) -> list[float
     return picked.tolist()
 
 
-@pytest.mark.vllm
-async def test_each_step_is_served_by_every_replica(pair):
-    model, engine = pair
+async def train_one_step(model) -> tuple[artrl.TrajectoryGroup, artrl.TrainResult]:
     client = model.openai_client()
 
     async def rollout(i: int, reward: float) -> artrl.Trajectory:
@@ -221,7 +219,14 @@ async def test_each_step_is_served_by_every_replica(pair):
         return artrl.Trajectory(messages_and_choices=[*messages, reply.choices[0]], reward=reward)
 
     group = artrl.TrajectoryGroup(await asyncio.gather(*(rollout(i, r) for i, r in enumerate([1, 0, 0, 1]))))
-    result = await model.train([group], config=artrl.TrainConfig(learning_rate=2e-2))
+    return group, await model.train([group], config=artrl.TrainConfig(learning_rate=2e-2))
+
+
+@pytest.mark.vllm
+async def test_each_step_is_served_by_every_replica(pair):
+    model, engine = pair
+    client = model.openai_client()
+    group, result = await train_one_step(model)
     name = f"tiny@{result.step}"
     assert engine.target == name
     prompt = group.trajectories[0].messages_and_choices[-1].model_extra["prompt_token_ids"]
@@ -266,6 +271,8 @@ async def test_each_step_is_served_by_every_replica(pair):
 @pytest.mark.vllm
 async def test_a_replica_that_dies_is_restarted_and_the_gateway_goes_on(pair):
     model, engine = pair
+    if engine.target == "tiny":  # run alone: serve a step's adapter, which a restart must load again
+        await train_one_step(model)
     client = model.openai_client(max_retries=0)
     messages = [{"role": "user", "content": "What is the weather in rome?"}]
     before = counts(engine)
@@ -303,11 +310,10 @@ async def test_a_replica_that_dies_is_restarted_and_the_gateway_goes_on(pair):
         assert asyncio.get_running_loop().time() < deadline, engine.replica_stats()
         await asyncio.sleep(0.5)
     assert replica.server is not server and replica.server.alive
-    if engine.target != "tiny":  # the step's adapter was loaded before it took requests again
-        assert replica.adapters == [engine.target]
-        restarted = complete(replica, engine.target, first.model_extra["prompt_token_ids"])
-        other = complete(engine.replicas[1 - victim], engine.target, first.model_extra["prompt_token_ids"])
-        assert restarted[0] == other[0] and restarted[1] == pytest.approx(other[1], abs=1e-4)
+    assert replica.adapters == [engine.target]  # the step's adapter, loaded before it took requests again
+    restarted = complete(replica, engine.target, first.model_extra["prompt_token_ids"])
+    other = complete(engine.replicas[1 - victim], engine.target, first.model_extra["prompt_token_ids"])
+    assert restarted[0] == other[0] and restarted[1] == pytest.approx(other[1], abs=1e-4)
     before = counts(engine)
     await asyncio.gather(
         *(
