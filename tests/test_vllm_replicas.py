@@ -345,7 +345,8 @@ class FakeVLLM:
                 self.end_headers()
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else {}
                 fake.loads.append((self.path, body.get("lora_name")))
                 self.send_response(200)
                 self.end_headers()
@@ -435,3 +436,26 @@ def test_the_tensor_parallel_size_reaches_the_server_command(tmp_path):
             str(tmp_path), "m", tmp_path / "vllm.log", VLLMConfig(python="/bin/true"), max_model_len=64
         )
     assert "tensor-parallel" not in str(failure.value).splitlines()[-1]  # one device: vLLM's default, unsaid
+
+
+async def test_sleeping_and_full_weight_reloads_apply_to_every_replica():
+    first = [FakeVLLM(), FakeVLLM()]
+    started: list[tuple[int, str | None]] = []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append((index, weights))
+        return FakeVLLM()
+
+    config = VLLMConfig(sleep_while_training=True, **FAST)
+    replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(first)]
+    engine = VLLMEngine(replicas, "m", "m", 2048, config, start)
+    async with engine.training():
+        assert [s.loads for s in first] == [[("/sleep?level=1&mode=wait", None)]] * 2
+    assert all(s.loads[-1] == ("/wake_up", None) for s in first)
+    await engine.publish(1, "/ckpt/0001", adapter=False)  # full fine-tuning: every replica restarts on it
+    assert sorted(started) == [(0, "/ckpt/0001"), (1, "/ckpt/0001")] and all(s.stopped for s in first)
+    assert [r.state for r in engine.replicas.replicas] == [
+        "up",
+        "up",
+    ] and engine.replicas.weights == "/ckpt/0001"
+    await engine.close()
