@@ -75,8 +75,9 @@ class VLLMConfig(_Frozen):
     replica_env: tuple[dict[str, str], ...] = Field(
         default=(),
         description="per replica, environment on top of `env` (e.g. its CUDA_VISIBLE_DEVICES); () = artrl "
-        "places them: on GPUs, replica i gets GPUs i*tp..i*tp+tp-1; on CPU, its own share of the cores "
-        "(VLLM_CPU_OMP_THREADS_BIND), unless `env` or the environment sets them",
+        "places several replicas itself unless `env` says: on GPUs, replica i gets the i-th group of "
+        "tensor_parallel_size visible GPUs (CUDA_VISIBLE_DEVICES); on CPU, its own share of the cores "
+        "(VLLM_CPU_OMP_THREADS_BIND, unless the environment sets it)",
     )
     health_check_interval_s: float = Field(
         default=2.0, gt=0, description="how often the supervisor checks every replica (process, /health)"
