@@ -19,8 +19,10 @@ import torch
 
 import artrl
 from artrl.config import VLLMConfig
-from artrl.local.engine_vllm import VLLMEngine, choice_tokens, completion_request
+from artrl.local.engine_vllm import VLLMEngine
 from artrl.local.sampling import SamplingParams
+from artrl.local.vllm_completions import choice_tokens, completion_request
+from artrl.local.vllm_replicas import Replica
 from artrl.local.vllm_server import VLLMServer, VLLMStartError, _group_alive
 
 PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
@@ -82,7 +84,7 @@ def choice(index: int, ids: list[int], finish: str | None) -> dict:
 
 def fake_vllm_engine(handler) -> tuple[VLLMEngine, list[dict]]:
     """A VLLMEngine whose HTTP client talks to `handler` (an httpx MockTransport) instead of a server."""
-    engine = VLLMEngine("http://vllm.invalid", "m", "m", 2048, VLLMConfig(request_timeout_s=30), None)
+    engine = VLLMEngine([Replica(0, "http://vllm.invalid")], "m", "m", 2048, VLLMConfig(request_timeout_s=30))
     bodies: list[dict] = []
 
     def record(request: httpx.Request):
@@ -299,9 +301,9 @@ from pathlib import Path
 from artrl.config import VLLMConfig
 from artrl.local import vllm_server
 real_wait = vllm_server.VLLMServer._wait_healthy
-def report_then_wait(self):
+def report_then_wait(self, *args):
     print(os.getpgid(self.process.pid), flush=True)
-    real_wait(self)
+    real_wait(self, *args)
 vllm_server.VLLMServer._wait_healthy = report_then_wait
 vllm_server.VLLMServer.start({str(tiny_model_dir)!r}, "t", Path({str(tmp_path / "log")!r}), VLLMConfig(), max_model_len=256)
 """
@@ -333,21 +335,23 @@ async def test_full_finetuning_restarts_vllm_on_the_new_weights(tiny_model_dir, 
         assert after.model_extra["token_logprobs"] == pytest.approx(expected, abs=1e-4)
 
 
-def test_explaining_a_failure_survives_a_reload_that_replaces_the_server():
-    """A weight reload sets engine.server to None while it starts the new one; an error explained at that
-    moment used to read the server twice and fail with AttributeError instead of reporting."""
-    engine = VLLMEngine("http://vllm.invalid", "m", "m", 2048, VLLMConfig(), None)
+def test_explaining_a_failure_survives_a_restart_that_replaces_the_server():
+    """A restart sets a replica's server while it starts the new one; an error explained at that moment used
+    to read the server twice and fail with AttributeError instead of reporting."""
+    replica = Replica(0, "http://vllm.invalid")
+    engine = VLLMEngine([replica], "m", "m", 2048, VLLMConfig())
 
-    class ReplacedWhileRead:  # a stopped server that a reload replaces as soon as it is looked at
+    class ReplacedWhileRead:  # a stopped server that a restart replaces as soon as it is looked at
         log_path = "vllm.log"
 
         @property
         def alive(self) -> bool:
-            engine.server = None
+            replica.server = None
             return False
 
         def describe_exit(self) -> str:
             return "the vLLM server exited"
 
-    engine.server = ReplacedWhileRead()  # type: ignore[assignment]
-    assert engine._explain(RuntimeError("connection refused")) == "the vLLM server exited"
+    replica.server = ReplacedWhileRead()  # type: ignore[assignment]
+    assert engine._explain(RuntimeError("connection refused"), replica).endswith("the vLLM server exited")
+    engine.replicas.close()

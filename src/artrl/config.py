@@ -57,10 +57,39 @@ class VLLMConfig(_Frozen):
     scripts/setup_vllm.sh` makes `.venv-vllm`), or connects to one that is already running (`url`).
     """
 
-    url: str | None = Field(
+    url: str | tuple[str, ...] | None = Field(
         default=None,
-        description="an already running vLLM server (e.g. http://host:8000); None = start one. Training needs "
-        "it started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this filesystem",
+        description="an already running vLLM server (e.g. http://host:8000), or several (a list: replicas of one "
+        "model, one key); None = start `replicas` servers. Training needs them started with --enable-lora and "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on this filesystem",
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="vLLM servers artrl starts, behind the one gateway: a conversation's next call goes to the "
+        "server that served its previous one (its prefix cache), a new conversation to the least loaded",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="vLLM's --tensor-parallel-size: devices (GPUs) each replica spans"
+    )
+    replica_env: tuple[dict[str, str], ...] = Field(
+        default=(),
+        description="per replica, environment on top of `env` (e.g. its CUDA_VISIBLE_DEVICES); () = artrl "
+        "places several replicas itself unless `env` says: on GPUs, replica i gets the i-th group of "
+        "tensor_parallel_size visible GPUs (CUDA_VISIBLE_DEVICES); on CPU, its own share of the cores "
+        "(VLLM_CPU_OMP_THREADS_BIND, unless the environment sets it)",
+    )
+    health_check_interval_s: float = Field(
+        default=2.0, gt=0, description="how often the supervisor checks every replica (process, /health)"
+    )
+    health_failures_before_restart: int = Field(
+        default=3, ge=1, description="failed /health checks in a row (process alive) before a restart"
+    )
+    max_restarts: int = Field(
+        default=5, ge=0, description="restarts per replica; beyond, it stays down (the others go on serving)"
+    )
+    affinity_entries: int = Field(
+        default=100_000, ge=0, description="served sequences remembered to route their continuations (LRU)"
     )
     api_key: str | None = Field(
         default=None,
@@ -106,6 +135,32 @@ class VLLMConfig(_Frozen):
     stop_grace_s: float = Field(
         default=20.0, gt=0, description="a server asked to stop gets this long before SIGKILL"
     )
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The running servers given by `url` (none: artrl starts its own)."""
+        if self.url is None:
+            return ()
+        return (self.url,) if isinstance(self.url, str) else tuple(self.url)
+
+    @model_validator(mode="after")
+    def _replicas_agree(self) -> VLLMConfig:
+        if isinstance(self.url, tuple) and not self.url:
+            raise ValueError("VLLMConfig(url=[]): give at least one server, or url=None to start them")
+        if self.url is not None and "replicas" in self.model_fields_set and self.replicas != len(self.urls):
+            raise ValueError(
+                f"VLLMConfig(replicas={self.replicas}) with {len(self.urls)} server url(s): artrl starts no server "
+                "when url is set; list every running server in url=[...] (replicas is then their number)"
+            )
+        if self.replica_env and len(self.replica_env) != self.replica_count:
+            raise ValueError(
+                f"VLLMConfig(replica_env=...) has {len(self.replica_env)} entries for {self.replica_count} replicas"
+            )
+        return self
+
+    @property
+    def replica_count(self) -> int:
+        return len(self.urls) or self.replicas
 
 
 class LoadConfig(_Frozen):

@@ -55,7 +55,8 @@ class LocalBackend:
 
     `engine="hf"` (default): the embedded engine, in this process, on the trainer's own weights.
     `engine="vllm"`: a vLLM server that artrl starts and supervises (its environment: `bash
-    scripts/setup_vllm.sh`), or the one at `vllm_url=`; the trained adapter is loaded into it every step.
+    scripts/setup_vllm.sh`; `VLLMConfig(replicas=N)`: N of them), or the one(s) at `vllm_url=`; the trained
+    adapter is loaded into it (every replica) every step.
     Pass an `EngineConfig` for every setting (`EngineConfig(kind="vllm", vllm=VLLMConfig(...))`).
 
     Files go under `path/{project}/{model}/`. Use `async with LocalBackend() as backend:` or call
@@ -68,7 +69,7 @@ class LocalBackend:
         *,
         engine: EngineConfig | Literal["hf", "vllm"] | None = None,
         gateway: GatewayConfig | None = None,
-        vllm_url: str | None = None,
+        vllm_url: str | list[str] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         if isinstance(engine, str):
@@ -79,8 +80,9 @@ class LocalBackend:
         if vllm_url is not None:
             if engine.kind != "vllm":
                 raise ValueError("vllm_url= needs engine='vllm'")
-            engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"url": vllm_url})})
-            VLLMConfig.model_validate(engine.vllm.model_dump())
+            url = vllm_url if isinstance(vllm_url, str) else tuple(vllm_url)
+            engine = engine.model_copy(update={"vllm": engine.vllm.model_copy(update={"url": url})})
+            VLLMConfig.model_validate(engine.vllm.model_dump(exclude_unset=True))  # as if given together
         self.engine_config = engine
         self.gateway_config = gateway or GatewayConfig()
         self._services: dict[tuple[str, str], LocalService] = {}

@@ -9,14 +9,19 @@ stops only at the gateway's end-of-turn ids (`ignore_eos`, `stop_token_ids`), an
 Weights follow training: each step's adapter is loaded at runtime as `{model}@{step}` and new requests go
 to it; adapters older than `lora_window` steps are unloaded. Full fine-tuning restarts the server on the
 step's checkpoint (a supervised server only).
+
+Several servers (`VLLMConfig.replicas`, or several urls) serve one model: the router (replica_router.py)
+picks each request's replica, the replica set (vllm_replicas.py) keeps them alive and loaded. A request
+that fails on a replica before any of its tokens reached the gateway is sent to another; once tokens were
+streamed it fails, with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,7 +29,10 @@ from typing import Any
 import httpx
 
 from artrl.config import VLLMConfig
-from artrl.local.engine import EngineError, SamplingParams, SequenceStream, TokenChoice
+from artrl.local.engine import EngineError, SamplingParams, SequenceStream
+from artrl.local.replica_router import ReplicaRouter, Route
+from artrl.local.vllm_completions import ReplicaFailure, completion_request, read_completion_stream
+from artrl.local.vllm_replicas import Replica, ReplicaSet, StartServer
 from artrl.local.vllm_server import VLLMServer
 
 log = logging.getLogger(__name__)
@@ -32,86 +40,61 @@ log = logging.getLogger(__name__)
 _ABORT_POLL_S = 0.25  # how often an in-flight request checks whether its consumers all went away
 
 
-def completion_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
-    """The body of a token-in /v1/completions request (streamed)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": list(prompt_ids),
-        "n": n,
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "logprobs": params.top_logprobs,  # the sampled token's logprob always; k alternatives besides
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "stop_token_ids": sorted(params.stop_token_ids),
-        "ignore_eos": True,  # only the gateway's stop ids end a turn
-        "skip_special_tokens": False,
-        "detokenize": True,
-        "stream": True,
-    }
-    if params.seed is not None:
-        body["seed"] = params.seed
-    return body
-
-
-def _token_id(text: str) -> int:
-    return int(text.removeprefix("token_id:"))
-
-
-def choice_tokens(choice: dict[str, Any], top_k: int) -> list[TokenChoice]:
-    """The new tokens of one streamed completions choice (`token_ids` plus `logprobs`).
-
-    vLLM's `top_logprobs` hold the k most likely tokens plus the sampled one: the k best are kept."""
-    logprobs = choice.get("logprobs") or {}
-    values = logprobs.get("token_logprobs") or []
-    ids = choice.get("token_ids")
-    if ids is None:
-        ids = [_token_id(t) for t in logprobs.get("tokens") or []]
-    if len(values) != len(ids):
-        raise EngineError(f"vLLM returned {len(ids)} token ids but {len(values)} logprobs in one chunk")
-    tops = logprobs.get("top_logprobs") or [None] * len(ids)
-    tokens = []
-    for token_id, value, top in zip(ids, values, tops, strict=True):
-        ranked = sorted(((_token_id(k), float(v)) for k, v in (top or {}).items()), key=lambda kv: -kv[1])
-        tokens.append(TokenChoice(int(token_id), float(value), tuple(ranked[:top_k])))
-    return tokens
-
-
 class VLLMEngine:
-    """The Engine contract over a vLLM server (one started by artrl, or one at `config.url`)."""
+    """The Engine contract over one or more vLLM servers (started by artrl, or at `config.url`)."""
 
     def __init__(
         self,
-        base_url: str,
+        replicas: list[Replica],
         served_name: str,
         model_name: str,
         max_context: int,
         config: VLLMConfig,
-        server: VLLMServer | None,
-        api_key: str | None = None,
-        restart: Callable[[str], VLLMServer] | None = None,
+        start: StartServer | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._restart = (
-            restart  # full fine-tuning: a server on a checkpoint folder (None: one artrl did not start)
-        )
-        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.served_name = served_name  # the base model's name on the vLLM server
-        self.target = served_name  # what requests ask vLLM for: the base, or the latest adapter
-        self.model_name = model_name  # the artrl model's name: adapters are `{model_name}@{step}`
         self.config = config
-        self.server = server
+        self.router = ReplicaRouter(len(replicas), config.affinity_entries)
+        self._router_lock = threading.Lock()  # requests may come from more than one event loop
+        self.replicas = ReplicaSet(replicas, config, served_name, start, on_restart=self._forget_replica)
+        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
+        self.served_name = served_name  # the base model's name on the vLLM servers
+        self.model_name = model_name  # the artrl model's name: adapters are `{model_name}@{step}`
         self.loaded: list[str] = []  # adapters loaded by us, oldest first
         self._max_context = max_context
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self.replicas.supervise()
 
     @property
     def max_context(self) -> int:
         return self._max_context
+
+    @property
+    def target(self) -> str:
+        """What requests ask vLLM for: the base model, or the latest adapter."""
+        return self.replicas.target
+
+    @property
+    def server(self) -> VLLMServer | None:
+        """The first replica's server (None: one artrl did not start)."""
+        return self.replicas[0].server
+
+    @property
+    def base_url(self) -> str:
+        return self.replicas[0].base_url
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """Per replica: url, state, restarts, adapters held, requests served and sequences in flight."""
+        with self._router_lock:
+            served, in_flight = list(self.router.served), list(self.router.in_flight)
+        return [
+            {**s, "served": served[i], "in_flight": in_flight[i]} for i, s in enumerate(self.replicas.stats())
+        ]
+
+    def _forget_replica(self, index: int) -> None:
+        with self._router_lock:
+            self.router.restarted(index)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
@@ -119,9 +102,7 @@ class VLLMEngine:
             raise RuntimeError("engine is closed")
         loop = asyncio.get_running_loop()
         streams = [SequenceStream(loop) for _ in range(n)]
-        # vLLM refuses n > 1 for greedy sampling: one greedy sequence is every sequence
-        body = completion_request(self.target, prompt_ids, params, 1 if params.temperature == 0 else n)
-        task = loop.create_task(self._run(body, streams))
+        task = loop.create_task(self._run(list(prompt_ids), params, streams))
         self._tasks.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._tasks.discard)
         return streams
@@ -135,9 +116,13 @@ class VLLMEngine:
             client = self._clients[loop] = httpx.AsyncClient(timeout=timeout, limits=limits)
         return client
 
-    async def _run(self, body: dict[str, Any], streams: list[SequenceStream]) -> None:
-        """Stream one completions request into `streams`; every stream ends, whatever happens."""
+    async def _run(
+        self, prompt_ids: list[int], params: SamplingParams, streams: list[SequenceStream]
+    ) -> None:
+        """Stream one request into `streams` from a replica, from another one if it fails before any token
+        was streamed; every stream ends, whatever happens."""
         ended = [False] * len(streams)
+        sampled: list[list[int]] = [[] for _ in streams]  # what each stream got (the router remembers it)
 
         def end_all(reason: str, error: str | None = None) -> None:
             for i, stream in enumerate(streams):
@@ -145,112 +130,103 @@ class VLLMEngine:
                     ended[i] = True
                     stream.end(reason, error)  # type: ignore[arg-type]
 
-        reader = asyncio.ensure_future(self._read(body, streams, ended))
+        target = self.target  # read once: a publish may move it meanwhile
+        # vLLM refuses n > 1 for greedy sampling: one greedy sequence is every sequence
+        body = completion_request(target, prompt_ids, params, 1 if params.temperature == 0 else len(streams))
+        tried: set[int] = set()
+        notes: list[str] = []
+        while True:
+            with self._router_lock:
+                eligible = [i for i in self.replicas.eligible(target) if i not in tried]
+                route = self.router.route(prompt_ids, len(streams), eligible) if eligible else None
+            if route is None:
+                end_all("error", " ".join([*notes, self.replicas.unavailable(target)]))
+                return
+            replica = self.replicas[route.replica]
+            try:
+                await self._stream_from(replica, body, streams, ended, sampled)
+                self._done(route, sampled)
+                end_all("error", f"{replica.name()}: vLLM's stream ended without a finish reason")
+                return
+            except asyncio.CancelledError:
+                self._done(route)
+                end_all("abort")
+                raise
+            except Exception as exc:
+                self._done(route)
+                reason = str(exc) if isinstance(exc, EngineError) else self._explain(exc, replica)
+                replica_failed = isinstance(exc, ReplicaFailure | httpx.TransportError)
+                if replica_failed:
+                    self.replicas.suspect(route.replica)
+                if not replica_failed or any(sampled) or all(s.aborted for s in streams):
+                    streamed = (
+                        " (after some of its tokens were streamed: not retried)" if any(sampled) else ""
+                    )
+                    end_all("error", f"{reason}{streamed}")
+                    return
+                tried.add(route.replica)
+                notes.append(f"{reason}.")
+                log.warning("%s; trying another replica", reason)
+
+    def _done(self, route: Route, completions: list[list[int]] | None = None) -> None:
+        with self._router_lock:
+            self.router.done(route, [ids for ids in completions or () if ids])
+
+    async def _stream_from(
+        self,
+        replica: Replica,
+        body: dict[str, Any],
+        streams: list[SequenceStream],
+        ended: list[bool],
+        sampled: list[list[int]],
+    ) -> None:
+        """Returns once every stream ended or all consumers went away (then vLLM's slot is freed now, not at
+        the next token); raises what the replica did wrong."""
+        timeout_s = self.config.request_timeout_s
+        reader = asyncio.ensure_future(
+            read_completion_stream(self._client(), timeout_s, replica, body, streams, ended, sampled)
+        )
         try:
-            while not reader.done():  # a consumer that went away frees vLLM's slot now, not at the next token
+            while not reader.done():
                 await asyncio.wait([reader], timeout=_ABORT_POLL_S)
                 if not reader.done() and all(s.aborted for s in streams):
                     reader.cancel()
                     await asyncio.wait([reader])
-                    end_all("abort")
+                    for i, stream in enumerate(streams):
+                        if not ended[i]:
+                            ended[i] = True
+                            stream.end("abort")
                     return
             reader.result()
-            end_all("error", "vLLM's stream ended without a finish reason")
-        except asyncio.CancelledError:
+        finally:
             reader.cancel()
-            end_all("abort")
-            raise
-        except EngineError as exc:
-            end_all("error", str(exc))
-        except Exception as exc:  # whatever went wrong, every stream ends: a consumer never hangs
-            end_all("error", self._explain(exc))
 
-    async def _read(self, body: dict[str, Any], streams: list[SequenceStream], ended: list[bool]) -> None:
-        top_k = body["logprobs"]
-        fan_out = body["n"] < len(streams)  # greedy: choice 0 feeds every stream
-        url = f"{self.base_url}/v1/completions"
-        async with asyncio.timeout(self.config.request_timeout_s):
-            async with self._client().stream("POST", url, json=body, headers=self._headers) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise EngineError(f"vLLM answered {response.status_code}: {response.text[:2000]}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        server = self.server  # read once: a weight reload may replace it meanwhile
-                        where = f" (its log: {server.log_path})" if server else ""
-                        raise EngineError(f"vLLM failed mid-stream{where}: {chunk['error']}")
-                    for choice in chunk.get("choices", []):
-                        targets = range(len(streams)) if fan_out else [choice["index"]]
-                        tokens = choice_tokens(choice, top_k)
-                        reason = choice.get("finish_reason")
-                        if reason == "abort":  # not ours (ours close the connection): a shutdown or pause
-                            raise EngineError("vLLM aborted the request (its server is stopping or paused)")
-                        for i in targets:
-                            if ended[i] or streams[i].aborted:
-                                continue
-                            for token in tokens:
-                                streams[i].push(token)
-                            if reason is not None:
-                                ended[i] = True
-                                streams[i].end("length" if reason == "length" else "stop")
-                    if all(ended):
-                        return
-
-    def _explain(self, exc: BaseException) -> str:
-        server = self.server  # read once: a weight reload may replace it meanwhile
+    def _explain(self, exc: BaseException, replica: Replica) -> str:
+        server = replica.server  # read once: a restart may replace it meanwhile
         if server is not None and not server.alive:
-            return server.describe_exit()
+            return f"{replica.name()}: {server.describe_exit()}"
         if isinstance(exc, TimeoutError):
             return f"vLLM did not finish within {self.config.request_timeout_s:g} s (VLLMConfig.request_timeout_s)"
-        return f"request to vLLM at {self.base_url} failed: {type(exc).__name__}: {exc}"
+        return f"request to {replica.name()} failed: {type(exc).__name__}: {exc}"
 
     # ------------------------------------------------------------------ administration (any event loop)
-    async def _admin(
-        self, path: str, body: dict[str, Any] | None = None, method: str = "POST"
-    ) -> httpx.Response:
-        timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
-        async with httpx.AsyncClient(timeout=timeout, headers=self._headers) as http:
-            try:
-                response = await http.request(method, f"{self.base_url}{path}", json=body)
-            except httpx.HTTPError as exc:
-                raise EngineError(self._explain(exc)) from exc
-        if response.status_code != 200:
-            raise EngineError(f"vLLM {path} answered {response.status_code}: {response.text[:2000]}")
-        return response
-
     async def load_adapter(self, step: int, path: str) -> None:
-        """Load a step's PEFT adapter folder as `{model}@{step}`, send new requests to it, unload beyond the
-        window."""
+        """Load a step's PEFT adapter folder as `{model}@{step}` into every replica, then send new requests to
+        it; older adapters beyond the window are unloaded."""
         name = f"{self.model_name}@{step}"
-        # in place: a server that outlived an earlier run may hold the name already
-        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
-        await self._admin("/v1/load_lora_adapter", body)
+        await self.replicas.load_everywhere(name, path)
         if name in self.loaded:
             self.loaded.remove(name)
         self.loaded.append(name)
-        self.target = name
-        while len(self.loaded) > self.config.lora_window:
-            old = self.loaded.pop(0)
-            try:
-                await self._admin("/v1/unload_lora_adapter", {"lora_name": old})
-            except EngineError as exc:  # a leftover adapter costs memory, not correctness
-                log.warning("could not unload adapter %s: %s", old, exc)
+        del self.loaded[: -self.config.lora_window]
+        self.replicas.target = name
+        for replica in self.replicas.replicas:  # one that came back during the load: before it takes requests
+            if replica.state == "up" and name not in replica.adapters:
+                self.replicas.suspect(replica.index)
 
-    async def reload_weights(self, start_server: Callable[[], VLLMServer] | None) -> None:
-        """Full fine-tuning: replace the server by one on the new checkpoint (`start_server()` makes it)."""
-        if self.server is None or start_server is None:
-            raise EngineError(
-                "full fine-tuning with a vLLM server artrl did not start (VLLMConfig.url) cannot reload the "
-                "weights; train a LoRA, or let artrl start the server"
-            )
-        old, self.server = self.server, None
-        await asyncio.to_thread(old.stop)
-        server = await asyncio.to_thread(start_server)
-        self.base_url, self._headers = server.base_url, {"Authorization": f"Bearer {server.api_key}"}
-        self.server = server
+    async def reload_weights(self, checkpoint: str) -> None:
+        """Full fine-tuning: every replica restarts on the new checkpoint."""
+        await self.replicas.reload(checkpoint)
 
     # ------------------------------------------------------------------ around training
     async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
@@ -280,16 +256,15 @@ class VLLMEngine:
         if adapter:
             await self.load_adapter(step, checkpoint)
         else:
-            restart = self._restart
-            await self.reload_weights(None if restart is None else lambda: restart(checkpoint))
+            await self.reload_weights(checkpoint)
 
     async def sleep(self) -> None:
         """GPU sharing: free vLLM's GPU memory (level 1: weights to CPU, KV cache dropped) for training.
         Requests in flight finish first (`mode=wait`); new ones wait for `wake_up`."""
-        await self._admin("/sleep?level=1&mode=wait")
+        await self.replicas.broadcast("/sleep?level=1&mode=wait")
 
     async def wake_up(self) -> None:
-        await self._admin("/wake_up")
+        await self.replicas.broadcast("/wake_up")
 
     async def close(self) -> None:
         self._closed = True
@@ -303,6 +278,5 @@ class VLLMEngine:
                     done = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.aclose(), loop))
                     await asyncio.wait([done], timeout=5)
         finally:
-            if self.server is not None:
-                await asyncio.to_thread(self.server.stop)
+            await asyncio.to_thread(self.replicas.close)
             self._trainer_thread.shutdown(wait=True)

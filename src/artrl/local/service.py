@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,7 +32,8 @@ from artrl.local.loading import (
 )
 from artrl.local.server import GatewayServer
 from artrl.local.trainer import Trainer, attach_adapter
-from artrl.local.vllm_server import VLLMServer
+from artrl.local.vllm_replicas import Replica
+from artrl.local.vllm_server import VLLMServer, replica_placement
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -199,44 +203,80 @@ class VLLMLaunch:
     def engine(self, resume_from: Path | None) -> VLLMEngine:
         """The engine, with `resume_from`'s weights served: its adapter loaded, or its full weights."""
         config = self.engine_config.vllm
-        server = None
-        if config.url is not None:
+        start = None
+        full_weights = resume_from if self.lora is None else None
+        if config.urls:
             if self.lora is None:
                 raise ValueError(
                     "full fine-tuning (lora=None) with a vLLM server artrl did not start (vllm_url) cannot "
                     "reload the weights after a step; train a LoRA, or let artrl start the server"
                 )
-            base_url, served, key = config.url, served_model_of(config.url, config), config.api_key
+            served = {served_model_of(url, config) for url in config.urls}
+            if len(served) > 1:
+                raise ValueError(f"the vLLM servers at {list(config.urls)} serve different models: {served}")
+            replicas = [Replica(i, url.rstrip("/"), config.api_key) for i, url in enumerate(config.urls)]
+            base = served.pop()
         else:
-            server = self.server(resume_from if self.lora is None else None)
-            base_url, served, key = server.base_url, self.served_name, server.api_key
-        restart = None if config.url is not None else lambda checkpoint: self.server(Path(checkpoint))
-        engine = VLLMEngine(
-            base_url, served, self.served_name, self.max_context, config, server, key, restart=restart
-        )
+            with ThreadPoolExecutor(config.replicas) as pool:
+                starts = [pool.submit(self.server, i, full_weights) for i in range(config.replicas)]
+                wait(starts)
+            if any(f.exception() for f in starts):
+                for f in starts:
+                    if f.exception() is None:
+                        f.result().stop()
+                raise next(f.exception() for f in starts if f.exception())  # type: ignore[misc]
+            servers = [f.result() for f in starts]
+            replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(servers)]
+            base = self.served_name
+
+            def start(index: int, checkpoint: str | None, cancel: threading.Event) -> VLLMServer:
+                return self.server(index, Path(checkpoint) if checkpoint else None, cancel)
+
+        engine = VLLMEngine(replicas, base, self.served_name, self.max_context, config, start)
+        engine.replicas.weights = str(full_weights) if full_weights else None
         if self.lora is not None and resume_from is not None:
             try:
                 asyncio.run(engine.load_adapter(int(resume_from.name), str(resume_from)))
             except BaseException:
-                if server is not None:
-                    server.stop()
+                asyncio.run(engine.close())
                 raise
         return engine
 
-    def server(self, full_weights: Path | None = None) -> VLLMServer:
-        """A supervised server on the base model (adapters enabled with a LoRA), or on a full checkpoint."""
+    def server(
+        self, index: int = 0, full_weights: Path | None = None, cancel: threading.Event | None = None
+    ) -> VLLMServer:
+        """Replica `index`'s supervised server on the base model (adapters enabled with a LoRA), or on a full
+        checkpoint; several replicas on one machine get their own cores or GPUs (replica_placement)."""
         device = pick_device(self.engine_config)
+        config = self.engine_config.vllm
+        user_env = {**config.env, **(config.replica_env[index] if config.replica_env else {})}
+        on_cpu = device.type == "cpu"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        placement = replica_placement(
+            index,
+            config.replicas,
+            config.tensor_parallel_size,
+            on_cpu,
+            sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1)),
+            {**os.environ, **user_env} if on_cpu else user_env,
+            visible.split(",") if visible else None,
+        )
+        log_name = "vllm.log" if config.replicas == 1 else f"vllm-{index}.log"
         return VLLMServer.start(
             str(full_weights or self.base_model),
             self.served_name,
-            (self.log_dir or Path(".")) / "vllm.log",
-            self.engine_config.vllm,
+            (self.log_dir or Path(".")) / log_name,
+            config,
             max_model_len=self.max_context,
             tokenizer=self.base_model if full_weights else None,
             lora_rank=self.lora.rank if self.lora else None,
             dtype=str(pick_dtype(self.engine_config, device)).removeprefix("torch."),
-            on_cpu=device.type == "cpu",
+            on_cpu=on_cpu,
             load=self.engine_config.load,
+            env={**placement, **user_env},
+            cancel=cancel,
         )
 
 

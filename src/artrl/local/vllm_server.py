@@ -14,9 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -92,6 +94,37 @@ def load_args(load: LoadConfig, full_weights: bool) -> list[str]:
     return args
 
 
+def replica_placement(
+    index: int,
+    replicas: int,
+    tensor_parallel: int,
+    on_cpu: bool,
+    cores: list[int],
+    env: Mapping[str, str],
+    visible_gpus: list[str] | None = None,
+) -> dict[str, str]:
+    """Where replica `index` runs when several share a machine and `env` (the user's) does not say: on CPU,
+    its own cores for vLLM's OpenMP threads ('a,b|c,d': one list per tensor-parallel rank; 'nobind' when
+    there are fewer cores than ranks: vLLM's automatic binding would put every replica on the same cores);
+    on GPUs, its own `tensor_parallel` devices among `visible_gpus` (CUDA_VISIBLE_DEVICES; None = all)."""
+    if replicas == 1:
+        return {}
+    if on_cpu:
+        if "VLLM_CPU_OMP_THREADS_BIND" in env:
+            return {}
+        share = len(cores) // (replicas * tensor_parallel)
+        if share == 0:
+            return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        ranks = range(index * tensor_parallel, (index + 1) * tensor_parallel)
+        lists = [",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in ranks]
+        return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists)}
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return {}
+    devices = visible_gpus or [str(i) for i in range(replicas * tensor_parallel)]
+    mine = devices[index * tensor_parallel : (index + 1) * tensor_parallel]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if len(mine) == tensor_parallel else {}
+
+
 class VLLMServer:
     """Start with `VLLMServer.start(...)`; `stop()` (idempotent) leaves no process behind."""
 
@@ -117,6 +150,8 @@ class VLLMServer:
         dtype: str = "auto",
         on_cpu: bool = False,
         load: LoadConfig | None = None,
+        env: dict[str, str] | None = None,
+        cancel: threading.Event | None = None,
     ) -> VLLMServer:
         python = find_vllm_python(config.python)
         port = free_port()
@@ -140,6 +175,8 @@ class VLLMServer:
             args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
         if config.sleep_while_training:
             args += ["--enable-sleep-mode"]
+        if config.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
         args += list(config.extra_args)
         api_key = secrets.token_urlsafe(32)  # in the environment, not the command line (`ps` shows that)
         env = {
@@ -150,7 +187,7 @@ class VLLMServer:
                 "VLLM_CPU_KVCACHE_SPACE", f"{config.cpu_kv_cache_gib:g}"
             ),
             "PYTHONUNBUFFERED": "1",
-            **config.env,
+            **(config.env if env is None else env),  # env: this server's (VLLMConfig.env and placement)
         }
         if config.sleep_while_training:
             env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -170,16 +207,18 @@ class VLLMServer:
             )
         server = cls(process, f"http://127.0.0.1:{port}", log_path, config, api_key)
         try:
-            server._wait_healthy()
+            server._wait_healthy(cancel)
         except BaseException:
             server.stop()
             raise
         return server
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, cancel: threading.Event | None = None) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         with httpx.Client(timeout=5.0) as http:
             while True:
+                if cancel is not None and cancel.is_set():
+                    raise VLLMStartError("the vLLM server's start was cancelled (its engine is closing)")
                 code = self.process.poll()
                 if code is not None:
                     raise VLLMStartError(
