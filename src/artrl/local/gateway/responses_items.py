@@ -1,0 +1,137 @@
+"""The Responses API's output items and streaming events, built from a chat message or the serving layer's
+pieces (see responses_api.py)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from artrl.local.gateway.serving import Delta
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat assistant message -> Responses output items: reasoning, text, then each function call."""
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        items.append(_message_item(message["content"], "completed"))
+    for call in message.get("tool_calls") or []:
+        items.append(_call_item(call, "completed"))
+    return items
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": content}
+
+
+def _message_item(text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if text else []
+    return {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex}",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def _call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
+    function = call["function"]
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call["id"],
+        "name": function["name"],
+        "arguments": function["arguments"],
+        "status": status,
+    }
+
+
+class ResponseEvents:
+    """The Responses streaming events of one response, built as the serving layer's pieces arrive."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being written
+        self.text = ""
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+
+    def pieces(self, delta: Delta) -> list[bytes]:
+        out: list[bytes] = []
+        for piece in delta.pieces:
+            if piece.kind in ("reasoning", "content"):
+                kind = "reasoning" if piece.kind == "reasoning" else "message"
+                if self.open is None or self.open["type"] != kind:
+                    out += self.close()
+                    out += self._open(kind)
+                self.text += piece.text
+                name = (
+                    "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+                )
+                extra = {} if kind == "reasoning" else {"logprobs": []}
+                out.append(self.event(name, delta=piece.text, **self._where(), **extra))
+            else:
+                assert piece.call is not None
+                out += self.close()
+                item = _call_item(piece.call.as_openai(), "in_progress")
+                self.output.append(item)
+                index = len(self.output) - 1
+                out.append(
+                    self.event(
+                        "response.output_item.added", item={**item, "arguments": ""}, output_index=index
+                    )
+                )
+                where = {"item_id": item["id"], "output_index": index}
+                out.append(
+                    self.event("response.function_call_arguments.delta", delta=item["arguments"], **where)
+                )
+                out.append(
+                    self.event("response.function_call_arguments.done", arguments=item["arguments"], **where)
+                )
+                item["status"] = "completed"
+                out.append(self.event("response.output_item.done", item=item, output_index=index))
+        return out
+
+    def _open(self, kind: str) -> list[bytes]:
+        item = _reasoning_item("") if kind == "reasoning" else _message_item("", "in_progress")
+        item["content"] = []
+        self.open, self.text = item, ""
+        self.output.append(item)
+        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _text_part("")
+        return [
+            self.event("response.output_item.added", item=item, output_index=len(self.output) - 1),
+            self.event("response.content_part.added", part=part, **self._where()),
+        ]
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        item, where = self.open, self._where()
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": self.text}
+            done = [self.event("response.reasoning_text.done", text=self.text, **where)]
+        else:
+            part = _text_part(self.text)
+            done = [self.event("response.output_text.done", text=self.text, logprobs=[], **where)]
+            item["status"] = "completed"
+        item["content"] = [part]
+        done.append(self.event("response.content_part.done", part=part, **where))
+        done.append(self.event("response.output_item.done", item=item, output_index=where["output_index"]))
+        self.open = None
+        return done
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
