@@ -67,6 +67,18 @@ def test_results_and_exceptions_make_a_group_and_anything_else_is_a_clear_error(
     assert art.TrajectoryGroup.model_validate(group.model_dump()).exceptions == ["TimeoutError: slow"]
 
 
+async def test_a_subclass_stays_itself_and_unknown_keywords_are_refused():
+    class Scored(art.TrajectoryGroup):
+        pass
+
+    (out,) = await art.gather_trajectory_groups([Scored(rollout(1.0) for _ in range(2))], pbar=False)
+    assert type(out) is Scored and type(await Scored(rollout(1.0) for _ in range(2))) is Scored
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        art.TrajectoryGroup((rollout(1.0) for _ in range(2)), logs=["x"])
+    with pytest.raises(ValueError, match="logs"):
+        art.TrajectoryGroup([art.Trajectory()], logs=["x"])
+
+
 def test_art_training_settings_map_onto_train_config():
     config = train_config(None, {"learning_rate": 5e-6, "beta": 0.1, "epsilon": 0.3, "epsilon_high": 0.4})
     assert (config.learning_rate, config.kl_coef, config.clip_low, config.clip_high) == (5e-6, 0.1, 0.3, 0.4)
@@ -112,6 +124,8 @@ def test_ruler_judge_named_as_in_art():
     assert str(client.base_url) == "http://judge.test/v1/" and name == "j" and calls == {"temperature": 0.0}
     client, name, _ = judge_endpoint("openai/o3", {"api_base": "http://proxy.test/v1", "api_key": "k"})
     assert str(client.base_url) == "http://proxy.test/v1/" and name == "o3"
+    assert judge_endpoint("hosted_vllm/Qwen/Qwen3-32B", {"api_base": "http://x.test/v1"})[1] == "Qwen/Qwen3-32B"
+    assert judge_endpoint("Qwen/Qwen3-32B", {"api_base": "http://x.test/v1"})[1] == "Qwen/Qwen3-32B"
     with pytest.raises(ValueError, match="speaks the OpenAI API"):
         judge_endpoint("anthropic/claude-x", None)
     with pytest.raises(TypeError, match="not used by artrl's judge"):

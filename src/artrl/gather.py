@@ -71,6 +71,7 @@ class _Slot:
     remaining: int = 0
     result: TrajectoryGroup | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # the group's, given to TrajectoryGroup(...)
+    group_class: type[TrajectoryGroup] = TrajectoryGroup  # (a subclass, when one was given awaitables)
 
 
 def _close_unstarted(slots: list[_Slot]) -> None:
@@ -95,6 +96,7 @@ def _prepare(groups: Iterable[GroupSpec]) -> list[_Slot]:
                         remaining=len(rollouts),
                         exceptions=list(spec.exceptions),
                         metadata=dict(spec.metadata),
+                        group_class=spec.group_class,
                     )
                 )
                 continue
@@ -228,7 +230,7 @@ class _Gathering:
     async def finish(self, index: int) -> None:
         slot = self.slots[index]
         if slot.result is None:
-            slot.result = TrajectoryGroup(
+            slot.result = slot.group_class(
                 [t for t in slot.trajectories if t is not None],
                 exceptions=list(slot.exceptions),
                 metadata=slot.metadata,

@@ -95,6 +95,8 @@ class TrajectoryGroup(BaseModel):
     budget), or await it on its own.
     """
 
+    model_config = ConfigDict(extra="forbid")
+
     trajectories: list[Trajectory]
     exceptions: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -104,9 +106,17 @@ class TrajectoryGroup(BaseModel):
             return super().__new__(cls)
         items = _items(trajectories)
         if any(inspect.isawaitable(x) for x in items):
-            return PendingGroup(
-                items, exceptions=data.pop("exceptions", ()), metadata=data.pop("metadata", {})
+            unknown = set(data) - {"exceptions", "metadata"}
+            if unknown:
+                _close_coroutines(items)
+                raise TypeError(
+                    f"TrajectoryGroup got unexpected keyword argument(s): {', '.join(sorted(unknown))}"
+                )
+            pending = PendingGroup(
+                items, exceptions=data.get("exceptions", ()), metadata=data.get("metadata", {})
             )
+            pending.group_class = cls
+            return pending
         self = super().__new__(cls)
         self.__dict__["__artrl_items__"] = items  # read by __init__ (a generator is spent by now)
         return self
@@ -177,6 +187,7 @@ class PendingGroup:
     ) -> None:
         self.rollouts = rollouts
         self._taken = False
+        self.group_class: type[TrajectoryGroup] = TrajectoryGroup  # what the rollouts become (a subclass too)
         self.exceptions = _exception_texts(exceptions)
         self.metadata = dict(metadata)
 
@@ -212,7 +223,7 @@ class PendingGroup:
         for i, value in enumerate(results):
             if not isinstance(value, Trajectory):
                 raise TypeError(f"rollout {i} returned a {type(value).__name__}, not an artrl.Trajectory")
-        return TrajectoryGroup(results, exceptions=self.exceptions, metadata=self.metadata)
+        return self.group_class(results, exceptions=self.exceptions, metadata=self.metadata)
 
     def __repr__(self) -> str:
         return f"PendingGroup({len(self.rollouts)} rollouts)"

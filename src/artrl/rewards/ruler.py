@@ -9,6 +9,7 @@ back by that id, never by the order of the judge's answer.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
@@ -134,6 +135,14 @@ async def ruler_scores(
     )
 
 
+# LiteLLM's provider prefixes: those that mean "an OpenAI-compatible endpoint", and some that do not
+_OPENAI_ROUTES = frozenset({"openai", "hosted_vllm", "openai_like", "custom_openai"})
+_OTHER_PROVIDERS = frozenset(
+    {"anthropic", "gemini", "vertex_ai", "bedrock", "ollama", "ollama_chat", "together_ai", "groq", "mistral"}
+    | {"cohere", "azure", "fireworks_ai", "deepseek", "xai", "openrouter", "huggingface", "replicate"}
+)
+
+
 def judge_endpoint(
     judge_model: Any, extra_litellm_params: dict[str, Any] | None
 ) -> tuple[openai.AsyncOpenAI, str, dict[str, Any]]:
@@ -158,15 +167,19 @@ def judge_endpoint(
         raise TypeError(
             f"judge_model must be a model name or an artrl.Model, not {type(judge_model).__name__}"
         )
-    provider, _, name = judge_model.rpartition("/")
-    if provider not in ("", "openai", "hosted_vllm"):
+    provider, _, rest = judge_model.partition("/")
+    name = rest if rest and provider in _OPENAI_ROUTES else judge_model  # else a name like "Qwen/Qwen3-32B"
+    if rest and provider in _OTHER_PROVIDERS:
         raise ValueError(
             f"judge {judge_model!r}: artrl's judge speaks the OpenAI API; for {provider!r} pass "
             "artrl.Model(name=..., project=..., inference_base_url=<an OpenAI-compatible endpoint>, "
             "inference_model_name=...) as the judge"
         )
     base_url = options.get("base_url", options.get("api_base"))
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=options.get("api_key"))
+    api_key = options.get("api_key")
+    if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
+        api_key = "none"  # a local server without keys (LiteLLM's hosted_vllm needs none either)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
     return client, name, calls
 
 
@@ -200,6 +213,18 @@ async def ruler_score_group(
             raise TypeError("give the judge as judge_model (ART's form) or as judge= and model=, not both")
         judge, model, calls = judge_endpoint(judge_model, extra_litellm_params)
         kwargs = {**calls, **kwargs}
+        if isinstance(judge_model, str):  # a client made for this call: closed after it
+            try:
+                return await ruler_score_group(
+                    group,
+                    judge=judge,
+                    model=model,
+                    rubric=rubric,
+                    swallow_exceptions=swallow_exceptions,
+                    **kwargs,
+                )
+            finally:
+                await judge.close()
     elif judge is None or model is None:
         raise TypeError(
             "ruler_score_group needs a judge: judge=<openai.AsyncOpenAI> and model=<its name>, "

@@ -18,6 +18,33 @@ if TYPE_CHECKING:
     from artrl.local.gateway.serving import ChatServing, ChoiceResult, PreparedRequest
 
 Record = Callable[[list[dict[str, Any]]], None]
+
+
+def json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a RequestError (400) that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"the body is not JSON (or nested too deeply): {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+def typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
+    """body[name] when absent, null or of `kinds`; otherwise a RequestError naming the field."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, kinds):
+        raise RequestError(f"{name} must be {what}, not {type(value).__name__}", param=name)
+    return value
+
+
+def text_of(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string, not {type(value).__name__}", param=where)
+    return value
+
+
 """Records a finished call's chat-format choices in its capture (a no-op outside one)."""
 
 
@@ -48,6 +75,8 @@ def chat_choice(serving: ChatServing, prepared: PreparedRequest, result: ChoiceR
         "finish_reason": result.finish_reason,
         "logprobs": {"content": serving.logprob_entries(result.tokens)} if want_logprobs else None,
         **serving.token_fields(result),
+        # the stop string that ended it (vLLM's field): only when one did
+        **({"stop_reason": result.stop_string} if result.stop_string is not None else {}),
     }
 
 

@@ -9,14 +9,24 @@ conversation sent back continues the calls the gateway made, token-exactly, as o
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from artrl.local.engine import EngineError
-from artrl.local.gateway.dialects import Record, chat_choice
+from artrl.local.gateway.dialects import Record, chat_choice, json_body, text_of, typed
+from artrl.local.gateway.messages_items import (
+    BlockEvents,
+    content_blocks,
+    message_body,
+    sse_event,
+    stop_fields,
+)
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
+
+log = logging.getLogger(__name__)
 
 # accepted and without effect here (bookkeeping of Anthropic's hosted service)
 _IGNORED = frozenset(
@@ -35,7 +45,6 @@ _PASSED = {  # Messages field -> chat field
     "ignore_eos": "ignore_eos",
     "chat_template_kwargs": "chat_template_kwargs",
 }
-_STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -51,7 +60,7 @@ def _text(blocks: Any, where: str) -> str:
     for block in _blocks(blocks, where):
         if block.get("type") != "text":
             raise RequestError(f"{where}: block type {block.get('type')!r} is not supported here (text only)")
-        parts.append(str(block.get("text", "")))
+        parts.append(text_of(block.get("text"), f"{where} text"))
     return "".join(parts)
 
 
@@ -67,6 +76,12 @@ def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
             raise RequestError(f"{where}: role must be 'user' or 'assistant', not {role!r}", param="messages")
         blocks = _blocks(message.get("content"), where)
         if role == "assistant":
+            if i == len(messages) - 1:
+                raise RequestError(
+                    f"{where}: a final assistant message (a prefill for the model to continue) is not supported; "
+                    "end with a user message",
+                    param="messages",
+                )
             out.append(_assistant(blocks, where))
             continue
         text = []
@@ -79,7 +94,7 @@ def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
             elif kind == "text":
-                text.append(str(block.get("text", "")))
+                text.append(text_of(block.get("text"), f"{where} text"))
             else:
                 raise RequestError(f"{where}: block type {kind!r} is not supported (text, tool_result)")
         if text:
@@ -92,8 +107,12 @@ def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     for block in blocks:
         kind = block.get("type")
         if kind == "text":
-            message["content"] += str(block.get("text", ""))
+            message["content"] += text_of(block.get("text"), f"{where} text")
         elif kind == "tool_use":
+            if not isinstance(block.get("input", {}), dict):
+                raise RequestError(f"{where}: a tool_use block's input is an object", param="messages")
+            text_of(block.get("id"), f"{where} tool_use id")
+            text_of(block.get("name"), f"{where} tool_use name")
             arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
             call = {
                 "id": block.get("id"),
@@ -102,9 +121,8 @@ def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
             }
             message.setdefault("tool_calls", []).append(call)
         elif kind == "thinking":
-            message["reasoning_content"] = message.get("reasoning_content", "") + str(
-                block.get("thinking", "")
-            )
+            thought = text_of(block.get("thinking"), f"{where} thinking")
+            message["reasoning_content"] = message.get("reasoning_content", "") + thought
         elif kind != "redacted_thinking":
             raise RequestError(f"{where}: block type {kind!r} is not supported (text, tool_use, thinking)")
     return message
@@ -128,12 +146,7 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
 
 class MessagesDialect:
     def chat_request(self, raw: bytes) -> tuple[bytes, dict[str, Any]]:
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise RequestError(f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
+        body = json_body(raw)
         unknown = (
             set(body) - set(_PASSED) - _IGNORED - {"system", "messages", "tools", "tool_choice", "thinking"}
         )
@@ -142,6 +155,15 @@ class MessagesDialect:
             raise RequestError(f"unsupported parameter(s): {', '.join(sorted(unknown))}", param=min(unknown))
         if body.get("top_k") not in (None, 0, -1):
             raise RequestError("top_k is not supported: sampling uses the whole distribution (top_p works)")
+        for name, kinds, what in (
+            ("system", (str, list), "a string or a list of text blocks"),
+            ("tools", list, "a list of tools"),
+            ("tool_choice", dict, "an object"),
+            ("thinking", dict, "an object"),
+            ("chat_template_kwargs", dict, "an object"),
+            ("stop_sequences", list, "a list of strings"),
+        ):
+            typed(body, name, kinds, what)
         if not isinstance(body.get("max_tokens"), int):
             raise RequestError(
                 "max_tokens is required (an integer), as Anthropic's API requires it", param="max_tokens"
@@ -166,7 +188,13 @@ class MessagesDialect:
         if parallel is not None:
             chat["parallel_tool_calls"] = parallel
         thinking = body.get("thinking")
-        if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        if thinking is not None and thinking.get("type") not in ("enabled", "disabled"):
+            raise RequestError(
+                f"thinking type {thinking.get('type')!r} is not supported: 'enabled' or 'disabled' (the template's "
+                "enable_thinking; budget_tokens is not enforced: max_tokens bounds the whole turn)",
+                param="thinking",
+            )
+        if thinking is not None:
             # the family's own switch (Qwen3, GLM, Gemma 4 read enable_thinking; others refuse it by name)
             kwargs = {
                 **chat.get("chat_template_kwargs", {}),
@@ -180,7 +208,7 @@ class MessagesDialect:
     ) -> dict[str, Any]:
         choice = completion["choices"][0]
         use = completion["usage"]
-        return _message(
+        return message_body(
             context, content_blocks(choice["message"]), choice, use["prompt_tokens"], use["completion_tokens"]
         )
 
@@ -188,8 +216,8 @@ class MessagesDialect:
         self, serving: ChatServing, prepared: PreparedRequest, record: Record, context: dict[str, Any]
     ) -> AsyncIterator[bytes]:
         prompt_tokens = len(prepared.prompt.ids)
-        start = _message(context, [], None, prompt_tokens, 0)
-        yield _event("message_start", message=start)
+        start = message_body(context, [], None, prompt_tokens, 0)
+        yield sse_event("message_start", message=start)
         blocks = BlockEvents()
         try:
             async for event in serving.events(prepared, streaming=True):
@@ -201,140 +229,19 @@ class MessagesDialect:
                         yield out
                     choice = chat_choice(serving, prepared, event)
                     record([choice])
-                    stop = {
-                        "stop_reason": _STOP_REASON.get(event.finish_reason, "end_turn"),
-                        "stop_sequence": None,
-                    }
+                    stop = stop_fields(choice)
                     tokens = {
                         k: choice[k]
                         for k in ("prompt_token_ids", "token_ids", "token_logprobs", "prompt_source")
                     }
-                    yield _event(
+                    yield sse_event(
                         "message_delta", delta=stop, usage={"output_tokens": len(event.tokens)}, **tokens
                     )
-                    yield _event("message_stop")
+                    yield sse_event("message_stop")
         except Exception as exc:  # headers are sent: the failure goes in the stream
-            kind = "api_error" if isinstance(exc, EngineError) else "internal_error"
-            yield _event(
+            if not isinstance(exc, EngineError):
+                log.exception("messages stream failed")
+            kind = "api_error"
+            yield sse_event(
                 "error", error={"type": kind, "message": f"generation failed: {type(exc).__name__}: {exc}"}
             )
-
-
-def _event(kind: str, **fields: Any) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n".encode()
-
-
-def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat assistant message -> Anthropic content blocks: thinking, text, then each tool_use."""
-    blocks: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or []:
-        blocks.append(_tool_use(call))
-    return blocks
-
-
-def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call["function"]["arguments"] or "{}")
-    except ValueError:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        arguments = {"value": arguments}
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments}
-
-
-def _message(
-    context: dict[str, Any],
-    content: list[dict[str, Any]],
-    choice: dict[str, Any] | None,
-    prompt: int,
-    sampled: int,
-) -> dict[str, Any]:
-    message = {
-        "id": context["id"],
-        "type": "message",
-        "role": "assistant",
-        "model": context["model"],
-        "content": content,
-        "stop_reason": None if choice is None else _STOP_REASON.get(choice["finish_reason"], "end_turn"),
-        "stop_sequence": None,
-        "usage": {
-            "input_tokens": prompt,
-            "output_tokens": sampled,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
-        },
-    }
-    if choice is not None:  # the token-exact record, as on a chat choice
-        for key in ("prompt_token_ids", "token_ids", "token_logprobs", "prompt_source", "policy_step"):
-            message[key] = choice.get(key)
-    return message
-
-
-class BlockEvents:
-    """The content-block events of one streamed message, built as the serving layer's pieces arrive."""
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.open: str | None = None  # "text" or "thinking": the block being written
-
-    def pieces(self, delta: Delta) -> list[bytes]:
-        out: list[bytes] = []
-        for piece in delta.pieces:
-            if piece.kind in ("reasoning", "content"):
-                kind = "thinking" if piece.kind == "reasoning" else "text"
-                if self.open != kind:
-                    out += self.close()
-                    self.index, self.open = self.index + 1, kind
-                    block = (
-                        {"type": kind, kind: ""}
-                        if kind == "text"
-                        else {"type": kind, kind: "", "signature": ""}
-                    )
-                    out.append(_event("content_block_start", index=self.index, content_block=block))
-                change = (
-                    {"type": "text_delta", "text": piece.text}
-                    if kind == "text"
-                    else {
-                        "type": "thinking_delta",
-                        "thinking": piece.text,
-                    }
-                )
-                out.append(_event("content_block_delta", index=self.index, delta=change))
-            else:
-                assert piece.call is not None
-                out += self.close()
-                self.index += 1
-                use = _tool_use(piece.call.as_openai())
-                out.append(
-                    _event("content_block_start", index=self.index, content_block={**use, "input": {}})
-                )
-                partial = json.dumps(use["input"], ensure_ascii=False)
-                out.append(
-                    _event(
-                        "content_block_delta",
-                        index=self.index,
-                        delta={"type": "input_json_delta", "partial_json": partial},
-                    )
-                )
-                out.append(_event("content_block_stop", index=self.index))
-        return out
-
-    def close(self) -> list[bytes]:
-        if self.open is None:
-            return []
-        out = []
-        if self.open == "thinking":
-            out.append(
-                _event(
-                    "content_block_delta",
-                    index=self.index,
-                    delta={"type": "signature_delta", "signature": ""},
-                )
-            )
-        out.append(_event("content_block_stop", index=self.index))
-        self.open = None
-        return out

@@ -10,6 +10,7 @@ the same token fields a chat choice carries (`prompt_token_ids`, `token_ids`, ..
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -19,12 +20,14 @@ from typing import Any
 
 from artrl.config import GatewayConfig
 from artrl.local.engine import EngineError
-from artrl.local.gateway.dialects import Record, chat_choice, stream_error
+from artrl.local.gateway.dialects import Record, chat_choice, json_body, stream_error, text_of, typed
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.responses_items import ResponseEvents, output_items
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
 
 # accepted and without effect here (bookkeeping of OpenAI's hosted service)
+log = logging.getLogger(__name__)
+
 _IGNORED = frozenset(
     {"store", "metadata", "user", "include", "service_tier", "prompt_cache_key", "safety_identifier"}
 )
@@ -65,7 +68,7 @@ def _text(content: Any, where: str) -> str:
                 raise RequestError(
                     f"{where}: content part {kind!r} is not supported (text only)", param="input"
                 )
-            parts.append(str(part.get("text", "")))
+            parts.append(text_of(part.get("text"), f"{where} text"))
         return "".join(parts)
     raise RequestError(f"{where}: content must be a string or a list of text parts", param="input")
 
@@ -98,17 +101,25 @@ def input_messages(items: list[Any]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function"}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "")}
-            if not isinstance(call["id"], str) or not isinstance(call["function"]["name"], str):
-                raise RequestError(f"input[{i}]: a function_call needs call_id and name", param="input")
+            if not all(isinstance(x, str) for x in (call["id"], item.get("name"), item.get("arguments", ""))):
+                raise RequestError(
+                    f"input[{i}]: a function_call needs call_id, name and arguments (strings)", param="input"
+                )
             assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1]["_closed"] = True
             output = item.get("output")
             content = output if isinstance(output, str) else _text(output, f"input[{i}].output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
+            call_id = text_of(item.get("call_id"), f"input[{i}].call_id")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
-            text = "".join(str(p.get("text", "")) for p in item.get("content") or [] if isinstance(p, dict))
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                raise RequestError(
+                    f"input[{i}]: a reasoning item's content is a list of parts", param="input"
+                )
+            text = "".join(text_of(p.get("text"), f"input[{i}] reasoning text") for p in parts)
             if text:
                 assistant()["reasoning_content"] = text
         else:
@@ -132,9 +143,24 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def _tool_choice(choice: Any) -> Any:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise RequestError(
+                "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+                param="tool_choice",
+            )
+        return {"type": "function", "function": {"name": choice["name"]}}
     return choice
+
+
+def _check_text(text: dict[str, Any]) -> None:
+    """`text`: plain text only (structured outputs are not enforced by the gateway's sampling)."""
+    fmt = text.get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise RequestError(f"text.format {kind!r} is not supported: plain text only", param="text.format")
+    if text.get("verbosity") is not None:
+        raise RequestError("text.verbosity is not supported", param="text.verbosity")
 
 
 class ResponsesDialect:
@@ -144,34 +170,31 @@ class ResponsesDialect:
 
     # ---------------------------------------------------------------- request
     def chat_request(self, raw: bytes) -> tuple[bytes, Asked]:
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise RequestError(f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the body must be a JSON object")
+        body = json_body(raw)
         unknown = set(body) - set(_PASSED) - _IGNORED - {"input", "instructions", "tools", "tool_choice"}
         unknown -= {"previous_response_id", "reasoning", "text", "truncation"}
         if unknown:
             raise RequestError(f"unsupported parameter(s): {', '.join(sorted(unknown))}", param=min(unknown))
+        given = typed(body, "input", (str, list), "a string or a list of input items")
+        instructions = typed(body, "instructions", str, "a string")
+        tools = typed(body, "tools", list, "a list of function tools")
+        typed(body, "chat_template_kwargs", dict, "an object")
         history = list(self._previous(body.get("previous_response_id")))
-        given = body.get("input", [])
-        history += input_messages([{"role": "user", "content": given}] if isinstance(given, str) else given)
-        instructions = body.get("instructions")
+        history += input_messages(
+            [{"role": "user", "content": given}] if isinstance(given, str) else given or []
+        )
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
         chat: dict[str, Any] = {_PASSED[k]: v for k, v in body.items() if k in _PASSED and v is not None}
-        chat.update(messages=messages, tools=_tools(body.get("tools")) or None)
+        chat.update(messages=messages, tools=_tools(tools) or None)
         if body.get("tool_choice") is not None:
             chat["tool_choice"] = _tool_choice(body["tool_choice"])
         if body.get("top_logprobs"):
             chat["logprobs"] = True
-        fmt = (body.get("text") or {}).get("format") or {"type": "text"}
-        if fmt.get("type") == "json_schema":
-            schema = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
-            chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-        elif fmt.get("type") != "text":
-            chat["response_format"] = fmt
-        effort = (body.get("reasoning") or {}).get("effort")
+        _check_text(typed(body, "text", dict, "an object") or {})
+        reasoning = typed(body, "reasoning", dict, "an object") or {}
+        if reasoning.get("summary") is not None:
+            raise RequestError("reasoning.summary is not supported: the model's reasoning is returned whole")
+        effort = reasoning.get("effort")
         if effort is not None:  # gpt-oss's template reads it; any other template refuses it by name
             chat["chat_template_kwargs"] = {
                 **chat.get("chat_template_kwargs", {}),
@@ -208,7 +231,8 @@ class ResponsesDialect:
     def reply(self, prepared: PreparedRequest, completion: dict[str, Any], context: Asked) -> dict[str, Any]:
         choice = completion["choices"][0]
         self._keep(context, choice["message"])
-        return self._response(context, output_items(choice["message"]), choice, completion["usage"])
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        return self._response(context, output_items(choice["message"], status), choice, completion["usage"])
 
     def _response(
         self,
@@ -263,7 +287,7 @@ class ResponsesDialect:
                     for out in events.pieces(event):
                         yield out
                 elif isinstance(event, ChoiceResult):
-                    for out in events.close():
+                    for out in events.close("incomplete" if event.finish_reason == "length" else "completed"):
                         yield out
                     choice = chat_choice(serving, prepared, event)
                     record([choice])
@@ -279,4 +303,5 @@ class ResponsesDialect:
         except EngineError as exc:
             yield stream_error(exc, "engine_error")
         except Exception as exc:  # headers are sent: the failure goes in the stream
+            log.exception("responses stream failed")
             yield stream_error(exc, "internal_error")

@@ -10,13 +10,13 @@ from typing import Any
 from artrl.local.gateway.serving import Delta
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+def output_items(message: dict[str, Any], status: str = "completed") -> list[dict[str, Any]]:
     """A chat assistant message -> Responses output items: reasoning, text, then each function call."""
     items: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
         items.append(_reasoning_item(message["reasoning_content"]))
     if message.get("content"):
-        items.append(_message_item(message["content"], "completed"))
+        items.append(_message_item(message["content"], status))
     for call in message.get("tool_calls") or []:
         items.append(_call_item(call, "completed"))
     return items
@@ -115,7 +115,8 @@ class ResponseEvents:
             self.event("response.content_part.added", part=part, **self._where()),
         ]
 
-    def close(self) -> list[bytes]:
+    def close(self, status: str = "completed") -> list[bytes]:
+        """Close the item being written (a message cut at max_output_tokens: status 'incomplete')."""
         if self.open is None:
             return []
         item, where = self.open, self._where()
@@ -125,7 +126,7 @@ class ResponseEvents:
         else:
             part = _text_part(self.text)
             done = [self.event("response.output_text.done", text=self.text, logprobs=[], **where)]
-            item["status"] = "completed"
+            item["status"] = status
         item["content"] = [part]
         done.append(self.event("response.content_part.done", part=part, **where))
         done.append(self.event("response.output_item.done", item=item, output_index=where["output_index"]))

@@ -41,6 +41,7 @@ class ChoiceResult:
     prompt: Prompt
     tokens: list[TokenChoice] = field(default_factory=list)
     policy_step: int | None = None  # the step the gateway served when the request arrived (PreparedRequest)
+    stop_string: str | None = None  # the request's stop string that ended it (finish_reason "stop")
 
 
 @dataclass
@@ -250,7 +251,9 @@ class ChatServing:
         self.builder.remember(
             prepared.messages, prepared.tools, prepared.template_kwargs, message, prepared.prompt.ids, ids
         )
-        yield ChoiceResult(index, message, finish, prepared.prompt, tokens, prepared.policy_step)
+        yield ChoiceResult(
+            index, message, finish, prepared.prompt, tokens, prepared.policy_step, stops.matched
+        )
 
     # ------------------------------------------------------------------ OpenAI shapes
     def logprob_entries(self, tokens: list[TokenChoice]) -> list[dict[str, Any]]:

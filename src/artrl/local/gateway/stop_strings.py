@@ -9,6 +9,7 @@ class StopStrings:
         self._stops = stops
         self._held = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         if not self._stops:
@@ -16,8 +17,9 @@ class StopStrings:
         if self.hit:
             return ""
         text = self._held + text
-        cut = min((at for at in (text.find(s) for s in self._stops) if at >= 0), default=-1)
-        if cut >= 0:
+        found = [(at, s) for s in self._stops if (at := text.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             self.hit, self._held = True, ""
             return text[:cut]
         keep = max((_overlap(text, s) for s in self._stops), default=0)
