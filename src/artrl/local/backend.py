@@ -18,6 +18,7 @@ from artrl.config import (
     GatewayConfig,
     SFTConfig,
     TrainConfig,
+    TrainerConfig,
     VLLMConfig,
 )
 from artrl.local.checkpoints import delete_unkept, save_checkpoint, save_tokenizer
@@ -56,6 +57,7 @@ class LocalBackend:
     `engine="vllm"`: a vLLM server that artrl starts and supervises (its environment: `bash
     scripts/setup_vllm.sh`), or the one at `vllm_url=`; the trained adapter is loaded into it every step.
     Pass an `EngineConfig` for every setting (`EngineConfig(kind="vllm", vllm=VLLMConfig(...))`).
+    `trainer=TrainerConfig(ranks=N)` trains in N processes with FSDP2 (docs/multi-gpu.md); default: in this one.
 
     Files go under `path/{project}/{model}/`. Use `async with LocalBackend() as backend:` or call
     `await backend.close()`.
@@ -68,6 +70,7 @@ class LocalBackend:
         engine: EngineConfig | Literal["hf", "vllm"] | None = None,
         gateway: GatewayConfig | None = None,
         vllm_url: str | None = None,
+        trainer: TrainerConfig | None = None,
     ) -> None:
         self.path = os.fspath(path)
         if isinstance(engine, str):
@@ -82,6 +85,7 @@ class LocalBackend:
             VLLMConfig.model_validate(engine.vllm.model_dump())
         self.engine_config = engine
         self.gateway_config = gateway or GatewayConfig()
+        self.trainer_config = trainer or TrainerConfig()
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._trackers: dict[tuple[str, str], Trackers] = {}
@@ -132,6 +136,7 @@ class LocalBackend:
                 **spec,
                 "engine": self.engine_config.model_dump(),
                 "gateway": self.gateway_config.model_dump(exclude={"api_key"}),
+                "trainer": self.trainer_config.model_dump(),
             },
         )
         step = latest_step(directory)
@@ -146,6 +151,8 @@ class LocalBackend:
             checkpoint_dir(directory, step) if step > 0 else None,
             directory,
             model.chat_format,
+            True,
+            self.trainer_config,
         )
         self._services[key] = service
         self._train_locks[key] = asyncio.Lock()
