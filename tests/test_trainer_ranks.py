@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import artrl
+import artrl.storage
 from artrl.config import EngineConfig, TrainerConfig
 from artrl.local.batch import TrainingBatch
 from artrl.local.loading import load_model_and_tokenizer
@@ -116,13 +117,14 @@ def assert_same_optimizer(path1: Path, path2: Path) -> None:
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny_model_dir, tmp_path):
     lora = artrl.LoraConfig() if mode == "lora" else None
+    # LoRA: with a KL penalty (a reference forward with the adapter off, idle passes included); full: the
+    # gradient clipped (a norm over every shard) and activations checkpointed inside FSDP2's layers
     config = artrl.TrainConfig(
         learning_rate=LR,
-        max_grad_norm=None if mode == "lora" else 0.5,  # (full: the clip is active, norm from every shard)
         max_tokens_per_microbatch=MICRO_TOKENS,
-        kl_coef=0.05
-        if mode == "lora"
-        else 0.0,  # (the reference forward with the adapter off: on the ranks too)
+        max_grad_norm=None if mode == "lora" else 0.5,
+        kl_coef=0.05 if mode == "lora" else 0.0,
+        gradient_checkpointing=mode == "full",
     )
 
     def run(trainer, model, seed: int) -> tuple:
@@ -160,9 +162,66 @@ def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny
             (tmp_path / folder).mkdir()
             trainer.save(str(tmp_path / folder))
         assert_same_optimizer(tmp_path / "one-2/optimizer.pt", tmp_path / "two-2/optimizer.pt")
+        if lora is None:  # SFT (full fine-tuning, as the demo's warm start): 2 optimizer steps
+            sft = artrl.SFTConfig(learning_rate=1e-3, max_tokens_per_microbatch=MICRO_TOKENS)
+            steps = [step_rows(3)[:3], step_rows(4)]
+            metrics1, metrics2 = one.sft(steps, sft), ranks.sft(steps, sft)
+            ranks.load_update()
+            for key in metrics1.keys() - {"train_seconds"}:
+                assert metrics2[key] == pytest.approx(metrics1[key], rel=1e-4), key
+            weights1, weights2 = trained(model1), trained(model4)
+            assert all(torch.allclose(weights2[n], weights1[n], atol=1e-6) for n in weights1)
     finally:
         ranks.close()
     assert all(p.poll() is not None for p in ranks.procs)
+
+
+async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(tiny_model_dir, tmp_path):
+    """The wiring: rollouts through the gateway, a step on 2 ranks, the served model changes, the checkpoint
+    and the step's record are complete; closing the backend stops the ranks; one process resumes the run."""
+    from scored_rollouts import PROMPT, rollouts
+
+    path = tmp_path / "artrl"
+    async with artrl.LocalBackend(path=path, trainer=artrl.TrainerConfig(ranks=2)) as backend:
+        model = artrl.TrainableModel(name="tiny", project="ranks", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        service = backend.service(model)
+        procs = service.trainer.procs
+        probe = {
+            "model": model.name,
+            "messages": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0.0,
+            "logprobs": True,
+        }
+        before_probe = (await model.openai_client().chat.completions.create(**probe)).choices[0]
+        before = trained(service.model)
+        config = artrl.TrainConfig(learning_rate=1e-2)
+        result = await model.train([await rollouts(model, [1, 0, 0, 1])], config=config)
+        assert result.step == 1 and result.metrics["optimizer_steps"] == 1 and result.metrics["rows"] == 4
+        after = trained(service.model)
+        assert {n for n in before if not torch.equal(before[n], after[n])} == {
+            n for n in before if "lora_B" in n
+        }
+        after_probe = (await model.openai_client().chat.completions.create(**probe)).choices[0]
+        assert after_probe.token_logprobs != pytest.approx(before_probe.token_logprobs, abs=1e-6)
+        directory = backend.directory(model)
+        assert {p.name for p in (directory / "checkpoints/0001").iterdir()} >= {
+            "adapter_model.safetensors",
+            "adapter_config.json",
+            "optimizer.pt",
+        }
+        records = artrl.storage.read_step_rows(directory, 1)
+        assert [r["trainer_logprobs"] is not None for r in records if r["trained"]] == [True] * 4
+    assert all(p.poll() is not None for p in procs), "the ranks stop with the backend"
+    async with artrl.LocalBackend(path=path) as backend:
+        again = artrl.TrainableModel(name="tiny", project="ranks", base_model=str(tiny_model_dir))
+        await again.register(backend)
+        assert await again.get_step() == 1
+        restored = trained(backend.service(again).model)
+        assert all(torch.equal(after[n], restored[n]) for n in after)
+        assert backend.service(again).trainer.optimizer.state, "optimizer state restored"
+        assert (await again.train([await rollouts(again, [0, 1])], config=config)).step == 2
 
 
 def test_a_rank_that_dies_or_hangs_is_a_clear_error(tiny_model_dir, tmp_path):
@@ -201,3 +260,31 @@ def test_a_rank_that_cannot_start_says_why(tiny_model_dir, tmp_path):
             model, str(tmp_path / "nowhere"), EngineConfig(), None, TrainerConfig(ranks=2), 0, None, tmp_path
         )
     assert "could not load base_model" in str(error.value)
+
+
+@pytest.mark.slow
+def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path):
+    """tests/test_examples.py's learning test (the same shortened demo and the same bar: +0.25 validation
+    success, +0.15 reward on 48 unseen mazes) with GRPO in 2 trainer processes (FSDP2 on gloo)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = Path(__file__).parent.parent / "examples" / "train_agent.py"
+    subprocess.run(
+        [
+            *(sys.executable, str(script), "--path", str(tmp_path / "artrl"), "--out", str(out)),
+            *("--steps", "16", "--val-size", "48", "--eval-every", "8", "--trainer-ranks", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    summary = json.loads((out / "summary_seed0_ranks2.json").read_text())
+    before, after = summary["before"], summary["after"]
+    assert summary["trainer_ranks"] == 2 and len(summary["history"]) == 16
+    assert after["success"] - before["success"] >= 0.25, summary["val_points"]
+    assert after["reward"] - before["reward"] >= 0.15
+    assert len(list((tmp_path / "artrl" / "maze").glob("maze-seed0-*/trainer-ranks/rank1.log"))) == 1
