@@ -61,6 +61,23 @@ def test_rows_are_shared_by_tokens_and_every_rank_runs_as_many_micro_batches():
     assert optimizer_state_by_name(optimizer_state_by_index(state, names), names) == state
 
 
+def test_settings_the_ranks_cannot_honour_are_refused_before_anything_starts(tiny_model_dir):
+    from artrl.config import GatewayConfig, LoadConfig
+    from artrl.local.service import LocalService
+
+    with pytest.raises(ValueError, match="2 devices for 3 ranks"):
+        TrainerConfig(ranks=3, devices=("cuda:0", "cuda:1"))
+    with pytest.raises(ValueError, match=r"QLoRA.*one process"):
+        LocalService.start(
+            "m",
+            str(tiny_model_dir),
+            EngineConfig(load=LoadConfig(quantization="4bit")),
+            GatewayConfig(),
+            artrl.LoraConfig(),
+            trainer_config=TrainerConfig(ranks=2),
+        )
+
+
 def served_model(base: Path, lora: artrl.LoraConfig | None, checkpoint: Path | None = None):
     """The model as LocalService builds it: loaded, adapter attached (a seeded random init), resumed."""
     torch.manual_seed(0)

@@ -75,6 +75,11 @@ class LocalService:
         `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state.
         `trainer_config.ranks > 1` trains in that many processes (TrainerRanks), started here."""
         trainer_config = trainer_config or TrainerConfig()
+        if engine_config.load.quantization == "4bit" and trainer_config.ranks > 1 and trainable:
+            raise ValueError(
+                "4-bit base weights (QLoRA) train in one process here: sharding bitsandbytes' 4-bit weights "
+                "across trainer ranks is not supported; use TrainerConfig(ranks=1), or bf16 weights with ranks"
+            )
         full_weights = lora is None and resume_from is not None
         if engine_config.load.quantization == "4bit" and lora is None and trainable:
             raise ValueError(
