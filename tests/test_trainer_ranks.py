@@ -1,6 +1,7 @@
 """Training in 2 processes (TrainerConfig(ranks=2): torch.distributed on gloo, FSDP2) equals training in one:
 the same loss, metrics, trainer logprobs, gradients (the optimizer's first moments) and weights, for LoRA and
-for full fine-tuning; a checkpoint of either resumes in the other; a rank that dies or hangs is an error."""
+for full fine-tuning; a checkpoint of either resumes in the other; a rank that dies or hangs is an error.
+The tests that start rank processes are `slow` (CI runs them), but the backend's wiring."""
 
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ def assert_same_optimizer(path1: Path, path2: Path) -> None:
     assert any(float(s["exp_avg"].abs().max()) > 0 for s in one["state"].values())
 
 
+@pytest.mark.slow  # (each starts 2 rank processes twice: 20-40 s on 2 cores)
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny_model_dir, tmp_path):
     lora = artrl.LoraConfig() if mode == "lora" else None
@@ -241,6 +243,7 @@ async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(tiny_model
         assert (await again.train([await rollouts(again, [0, 1])], config=config)).step == 2
 
 
+@pytest.mark.slow  # (starts 2 rank processes: 10-30 s on 2 cores)
 def test_a_rank_that_dies_or_hangs_is_a_clear_error(tiny_model_dir, tmp_path):
     lora = artrl.LoraConfig()
     config = artrl.TrainConfig(max_tokens_per_microbatch=MICRO_TOKENS)
@@ -270,6 +273,7 @@ def test_a_rank_that_dies_or_hangs_is_a_clear_error(tiny_model_dir, tmp_path):
         ranks.close()
 
 
+@pytest.mark.slow  # (starts 2 rank processes: 10-30 s on 2 cores)
 def test_a_rank_that_cannot_start_says_why(tiny_model_dir, tmp_path):
     model = served_model(tiny_model_dir, None)
     with pytest.raises(TrainerRanksError, match="failed during starting") as error:
