@@ -104,9 +104,7 @@ class LocalService:
 
                 model = PeftModel.from_pretrained(model, str(resume_from))  # frozen: inference only
         model.eval()
-        if (
-            trainable and trainer_config.ranks > 1
-        ):  # (after loading: the ranks start from this model's adapter)
+        if trainable and trainer_config.ranks > 1:  # (after loading: the ranks start from its adapter)
             trainer = TrainerRanks(
                 model,
                 base_model,
