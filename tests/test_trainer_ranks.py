@@ -1,7 +1,7 @@
 """Training in 2 processes (TrainerConfig(ranks=2): torch.distributed on gloo, FSDP2) equals training in one:
 the same loss, metrics, trainer logprobs, gradients (the optimizer's first moments) and weights, for LoRA and
 for full fine-tuning; a checkpoint of either resumes in the other; a rank that dies or hangs is an error.
-The tests that start rank processes are `slow` (CI runs them), but the backend's wiring."""
+The failure tests and the demo are `slow` (CI runs them)."""
 
 from __future__ import annotations
 
@@ -132,7 +132,6 @@ def assert_same_optimizer(path1: Path, path2: Path) -> None:
     assert any(float(s["exp_avg"].abs().max()) > 0 for s in one["state"].values())
 
 
-@pytest.mark.slow  # (each starts 2 rank processes twice: 20-40 s on 2 cores)
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny_model_dir, tmp_path):
     lora = artrl.LoraConfig() if mode == "lora" else None
@@ -195,13 +194,16 @@ def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny
     assert all(p.poll() is not None for p in ranks.procs)
 
 
-async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(tiny_model_dir, tmp_path):
-    """The wiring: rollouts through the gateway, a step on 2 ranks, the served model changes, the checkpoint
-    and the step's record are complete; closing the backend stops the ranks; one process resumes the run."""
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(engine, tiny_model_dir, tmp_path):
+    """The wiring: rollouts through the gateway, a step on 2 ranks, the served model changes (vLLM: the
+    checkpoint's adapter loaded), the checkpoint and the step's record are complete; closing the backend
+    stops the ranks; one process resumes the run."""
     from scored_rollouts import PROMPT, rollouts
 
     path = tmp_path / "artrl"
-    async with artrl.LocalBackend(path=path, trainer=artrl.TrainerConfig(ranks=2)) as backend:
+    ranks = artrl.TrainerConfig(ranks=2)
+    async with artrl.LocalBackend(path=path, engine=engine, trainer=ranks) as backend:
         model = artrl.TrainableModel(name="tiny", project="ranks", base_model=str(tiny_model_dir))
         await model.register(backend)
         service = backend.service(model)
