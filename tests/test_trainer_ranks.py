@@ -278,7 +278,7 @@ def test_a_rank_that_dies_or_hangs_is_a_clear_error(tiny_model_dir, tmp_path):
 @pytest.mark.slow  # (starts 2 rank processes: 10-30 s on 2 cores)
 def test_a_rank_that_cannot_start_says_why(tiny_model_dir, tmp_path):
     model = served_model(tiny_model_dir, None)
-    with pytest.raises(TrainerRanksError, match="failed during starting") as error:
+    with pytest.raises(TrainerRanksError, match="failed during start") as error:
         TrainerRanks(
             model, str(tmp_path / "nowhere"), EngineConfig(), None, TrainerConfig(ranks=2), 0, None, tmp_path
         )

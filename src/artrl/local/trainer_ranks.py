@@ -105,7 +105,7 @@ class TrainerRanks:
                         threads=threads,
                     )
                 )
-            self._replies("starting", config.start_timeout_s)
+            self._replies("start", config.start_timeout_s)
         except BaseException:
             self.close()
             raise
