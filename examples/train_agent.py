@@ -170,11 +170,13 @@ async def main(args: argparse.Namespace) -> dict:
         model = artrl.TrainableModel(
             name=name, project="maze", base_model=warm, lora=lora, report_to=trackers
         )
-        # the SFT stages above only train (embedded engine); the RL model's rollouts run on --engine
+        # the SFT stages above only train (embedded engine, in this process); the RL model's rollouts run on
+        # --engine and its training in --trainer-ranks processes
         rl_backend = backend
-        if args.engine != "hf":
+        if args.engine != "hf" or args.trainer_ranks > 1:
+            trainer = artrl.TrainerConfig(ranks=args.trainer_ranks)
             rl_backend = await stack.enter_async_context(
-                artrl.LocalBackend(path=args.path, engine=args.engine)
+                artrl.LocalBackend(path=args.path, engine=args.engine, trainer=trainer)
             )
         t = time.perf_counter()
         await model.register(rl_backend)
@@ -250,6 +252,7 @@ async def main(args: argparse.Namespace) -> dict:
         f"seed{args.seed}"
         + ("" if args.engine == "hf" else f"_{args.engine}")
         + (f"_ahead{args.ahead}" if args.ahead else "")
+        + (f"_ranks{args.trainer_ranks}" if args.trainer_ranks > 1 else "")
     )
     curve = out / f"reward_curve_{tag}.png"
     plot(history, val_points, curve, f"maze agent, seed {args.seed}, engine {args.engine}")
@@ -266,6 +269,7 @@ async def main(args: argparse.Namespace) -> dict:
         "steps_to_target": at_target,
         "seed": args.seed,
         "engine": args.engine,
+        "trainer_ranks": args.trainer_ranks,
         "before": before,
         "after": after,
         "timings": timings,
@@ -311,6 +315,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["hf", "vllm"],
         default="hf",
         help="rollout engine of the RL stage: embedded, or vLLM (needs `bash scripts/setup_vllm.sh`)",
+    )
+    parser.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        help="GRPO in this many trainer processes (FSDP2; gloo on CPU, nccl on GPUs); 1: in this process",
     )
     parser.add_argument("--report-to", default="", help="experiment trackers: wandb,tensorboard,trackio")
     parser.add_argument("--path", default=".artrl")

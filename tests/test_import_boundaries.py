@@ -45,6 +45,9 @@ LAYERS: dict[str, int] = {
     "artrl.local.tiny_model": 3,
     "artrl.local.batch": 3,
     "artrl.local.trainer": 3,
+    "artrl.local.trainer_rank": 3,  # one FSDP2 trainer process (started by trainer_ranks)
+    "artrl.local.trainer_ranks": 3,  # the trainer processes, seen from the main process
+    "artrl.local.row_shards": 2,  # which rows each trainer rank trains
     "artrl.local.engine_hf": 3,
     "artrl.local.running_batch": 2,  # the running batch's prefill and decode steps (engine_hf's)
     "artrl.local.kv_cache": 2,

@@ -20,6 +20,7 @@ from artrl.config import (
     SFTConfig,
     TinyModelConfig,
     TrainConfig,
+    TrainerConfig,
     VLLMConfig,
 )
 from artrl.dataset import DatasetBatch, iterate_dataset
@@ -67,6 +68,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainableModel",
+    "TrainerConfig",
     "Trajectory",
     "TrajectoryGroup",
     "VLLMConfig",

@@ -339,6 +339,40 @@ class LoraConfig(_Frozen):
     )
 
 
+class TrainerConfig(_Frozen):
+    """Where the trainer runs (`LocalBackend(trainer=...)`).
+
+    ranks=1: in this process, on the very weights the embedded engine serves (no copy, no messages).
+    ranks=N>1: N trainer processes (torch.distributed, FSDP2 `fully_shard` per decoder layer): each step's
+    rows are split across them by tokens, the gradients reduced, and the new weights (the adapter, or every
+    weight without one) loaded into the served model before the next rollout. Checkpoints keep one format,
+    so a run resumes with any number of ranks. See docs/multi-gpu.md.
+    """
+
+    ranks: int = Field(default=1, ge=1, description="trainer processes; 1 = in this process")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="torch.distributed's backend; auto = nccl on CUDA, gloo on CPU"
+    )
+    devices: tuple[str, ...] | None = Field(
+        default=None,
+        description="one device per rank, e.g. ('cuda:1', 'cuda:2'); None = cuda:0..N-1 when the engine's "
+        "device is CUDA, else cpu",
+    )
+    start_timeout_s: float = Field(default=600.0, gt=0, description="until every rank has loaded the model")
+    call_timeout_s: float = Field(
+        default=3600.0, gt=0, description="one train, train_sft or checkpoint call on the ranks, end to end"
+    )
+    collective_timeout_s: float = Field(
+        default=600.0, gt=0, description="torch.distributed's timeout: a collective some rank never joins"
+    )
+
+    @model_validator(mode="after")
+    def _one_device_per_rank(self) -> TrainerConfig:
+        if self.devices is not None and len(self.devices) != self.ranks:
+            raise ValueError(f"TrainerConfig: {len(self.devices)} devices for {self.ranks} ranks")
+        return self
+
+
 class TrainConfig(_Frozen):
     """One `model.train(groups, config=...)` call = one optimizer step over all the groups' rows.
 

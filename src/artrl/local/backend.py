@@ -19,6 +19,7 @@ from artrl.config import (
     GatewayConfig,
     SFTConfig,
     TrainConfig,
+    TrainerConfig,
     VLLMConfig,
 )
 from artrl.local.checkpoints import delete_unkept, save_checkpoint, save_tokenizer
@@ -58,6 +59,7 @@ class LocalBackend:
     scripts/setup_vllm.sh`; `VLLMConfig(replicas=N)`: N of them), or the one(s) at `vllm_url=`; the trained
     adapter is loaded into it (every replica) every step.
     Pass an `EngineConfig` for every setting (`EngineConfig(kind="vllm", vllm=VLLMConfig(...))`).
+    `trainer=TrainerConfig(ranks=N)` trains in N processes with FSDP2 (docs/multi-gpu.md); default: in this one.
 
     Files go under `path/{project}/{model}/`. Use `async with LocalBackend() as backend:` or call
     `await backend.close()`.
@@ -70,6 +72,7 @@ class LocalBackend:
         engine: EngineConfig | Literal["hf", "vllm"] | None = None,
         gateway: GatewayConfig | None = None,
         vllm_url: str | list[str] | None = None,
+        trainer: TrainerConfig | None = None,
     ) -> None:
         self.path = os.fspath(path)
         if isinstance(engine, str):
@@ -85,6 +88,7 @@ class LocalBackend:
             VLLMConfig.model_validate(engine.vllm.model_dump(exclude_unset=True))  # as if given together
         self.engine_config = engine
         self.gateway_config = gateway or GatewayConfig()
+        self.trainer_config = trainer or TrainerConfig()
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._trackers: dict[tuple[str, str], Trackers] = {}
@@ -135,6 +139,7 @@ class LocalBackend:
                 **spec,
                 "engine": self.engine_config.model_dump(),
                 "gateway": self.gateway_config.model_dump(exclude={"api_key"}),
+                "trainer": self.trainer_config.model_dump(),
             },
         )
         step = latest_step(directory)
@@ -149,6 +154,8 @@ class LocalBackend:
             checkpoint_dir(directory, step) if step > 0 else None,
             directory,
             model.chat_format,
+            True,
+            self.trainer_config,
         )
         self._services[key] = service
         self._train_locks[key] = asyncio.Lock()

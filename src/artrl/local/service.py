@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from artrl.config import EngineConfig, GatewayConfig, LoraConfig, VLLMConfig
+from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig, VLLMConfig
 from artrl.local.chat_format import ChatFormat
 from artrl.local.engine import Engine
 from artrl.local.engine_hf import HFEngine
@@ -31,7 +31,8 @@ from artrl.local.loading import (
     pick_dtype,
 )
 from artrl.local.server import GatewayServer
-from artrl.local.trainer import Trainer, attach_adapter
+from artrl.local.trainer import Trainer, attach_adapter, load_adapter
+from artrl.local.trainer_ranks import TrainerRanks
 from artrl.local.vllm_replicas import Replica
 from artrl.local.vllm_server import VLLMServer, replica_placement
 
@@ -46,7 +47,7 @@ class LocalService:
     chat_format: ChatFormat
     engine: Engine
     server: GatewayServer
-    trainer: Trainer | None = None
+    trainer: Trainer | TrainerRanks | None = None
     max_context: int = 0
     names: ServedNames = field(default_factory=lambda: ServedNames([]))
 
@@ -71,10 +72,18 @@ class LocalService:
         log_dir: Path | None = None,
         chat_format: str | None = None,
         trainable: bool = True,
+        trainer_config: TrainerConfig | None = None,
     ) -> LocalService:
         """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread.
 
-        `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state."""
+        `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state.
+        `trainer_config.ranks > 1` trains in that many processes (TrainerRanks), started here."""
+        trainer_config = trainer_config or TrainerConfig()
+        if engine_config.load.quantization == "4bit" and trainer_config.ranks > 1 and trainable:
+            raise ValueError(
+                "4-bit base weights (QLoRA) train in one process here: sharding bitsandbytes' 4-bit weights "
+                "across trainer ranks is not supported; use TrainerConfig(ranks=1), or bf16 weights with ranks"
+            )
         full_weights = lora is None and resume_from is not None
         if engine_config.load.quantization == "4bit" and lora is None and trainable:
             raise ValueError(
@@ -85,23 +94,42 @@ class LocalService:
             model, tokenizer = load_model_and_tokenizer(
                 base_model, engine_config, str(resume_from) if full_weights else None
             )
-            trainer = None
+            trainer: Trainer | TrainerRanks | None = None
             if trainable:
                 model = attach_adapter(model, lora)
-                trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
-                if resume_from is not None:
-                    trainer.load(str(resume_from))
+                if trainer_config.ranks == 1:
+                    trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
+                    if resume_from is not None:
+                        trainer.load(str(resume_from))
+                elif lora is not None and resume_from is not None:
+                    load_adapter(model, str(resume_from))
             elif lora is not None and resume_from is not None:
                 from peft import PeftModel
 
                 model = PeftModel.from_pretrained(model, str(resume_from))  # frozen: inference only
         model.eval()
+        if trainable and trainer_config.ranks > 1:  # (after loading: the ranks start from its adapter)
+            trainer = TrainerRanks(
+                model,
+                base_model,
+                engine_config,
+                lora,
+                trainer_config,
+                tokenizer.pad_token_id or 0,
+                resume_from,
+                log_dir or Path("."),
+            )
         max_context = context_length(model, engine_config)
-        if engine_config.kind == "vllm":
-            launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
-            engine: Engine = launch.engine(resume_from)
-        else:
-            engine = HFEngine(model, max_context=max_context, config=engine_config)
+        try:
+            if engine_config.kind == "vllm":
+                launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
+                engine: Engine = launch.engine(resume_from)
+            else:
+                engine = HFEngine(model, max_context=max_context, config=engine_config)
+        except BaseException:
+            if trainer is not None:
+                trainer.close()  # (no rank outlives a service that failed to start)
+            raise
         try:
             step = int(resume_from.name) if resume_from is not None and resume_from.name.isdigit() else 0
             service = cls.serve(
@@ -109,6 +137,8 @@ class LocalService:
             )
         except BaseException:
             asyncio.run(engine.close())  # a vLLM server started for it must not outlive it
+            if trainer is not None:
+                trainer.close()
             raise
         service.trainer = trainer
         return service
@@ -138,19 +168,28 @@ class LocalService:
         server.start(gateway_config.startup_timeout_s)
         return cls(model, tokenizer, fmt, engine, server, max_context=engine.max_context, names=names)
 
-    def _trainer(self) -> Trainer:
+    def _trainer(self) -> Trainer | TrainerRanks:
         if self.trainer is None:
             raise RuntimeError("this service serves a model it cannot train (started without a trainer)")
         return self.trainer
 
     async def train_step(self, batch: Any, config: Any) -> dict[str, float]:
-        """One GRPO call (see Trainer.step), where nothing else touches the weights."""
-        async with self.training():
-            return await self.run_exclusive(lambda: self._trainer().step(batch, config))
+        """One GRPO call (see Trainer.step)."""
+        return await self._train(lambda trainer: trainer.step(batch, config))
 
     async def train_sft(self, steps: list[list[Any]], config: Any) -> dict[str, float]:
+        return await self._train(lambda trainer: trainer.sft(steps, config))
+
+    async def _train(self, call: Callable[[Any], dict[str, float]]) -> dict[str, float]:
+        """In this process: where nothing else touches the weights (the embedded engine's thread). In the
+        trainer ranks: while the engine keeps serving the previous weights, which are then replaced."""
+        trainer = self._trainer()
         async with self.training():
-            return await self.run_exclusive(lambda: self._trainer().sft(steps, config))
+            if isinstance(trainer, Trainer):
+                return await self.run_exclusive(lambda: call(trainer))
+            metrics = await asyncio.to_thread(call, trainer)
+            await self.run_exclusive(trainer.load_update)
+            return metrics
 
     def save_weights(self, directory: str) -> None:
         """Adapter or full weights and the optimizer state into `directory` (call it through run_exclusive)."""
@@ -186,6 +225,8 @@ class LocalService:
     async def close(self) -> None:
         self.server.stop()
         await self.engine.close()
+        if self.trainer is not None:
+            await asyncio.to_thread(self.trainer.close)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -152,6 +153,15 @@ class GRPOTotals:
             self.mismatch_over += terms.mismatch_over
             self.known += terms.known
 
+    def reduce(self, across: Reduction) -> None:
+        """Sums and maxima over every process's rows (one process: unchanged)."""
+        names = [
+            f.name for f in fields(self) if f.name not in ("mismatch_max", "grad_norm", "optimizer_steps")
+        ]
+        for name, value in zip(names, across.sum([getattr(self, n) for n in names]), strict=True):
+            setattr(self, name, value)
+        (self.mismatch_max,) = across.max([self.mismatch_max])
+
     def metrics(self, seconds: float) -> dict[str, float]:
         weight, known = self.weight or 1.0, self.known or 1.0
         return {
@@ -169,8 +179,44 @@ class GRPOTotals:
         }
 
 
+class Reduction(Protocol):
+    """Sums and maxima of per-process values over all the processes that train one step."""
+
+    def sum(self, values: list[float]) -> list[float]: ...
+    def max(self, values: list[float]) -> list[float]: ...
+
+
+class OneProcess:
+    """Every row of the step is in this process: nothing to reduce."""
+
+    def sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def max(self, values: list[float]) -> list[float]:
+        return values
+
+
+Logprobs = Callable[[MicroBatch, "int | None", bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_train_config(config: TrainConfig, has_adapter: bool) -> None:
+    if config.kl_coef > 0 and not has_adapter:
+        raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
+
+
 class Trainer:
-    def __init__(self, model: Any, pad_id: int) -> None:
+    """The training loops over `model`. One process by default; a trainer rank (trainer_rank.py) passes
+    `logprobs` (the forward through its FSDP root), `micro_batches` (its share of each step's rows, [] = a
+    pass that trains nothing and keeps the ranks' collectives in step) and `across` (metric reduction)."""
+
+    def __init__(
+        self,
+        model: Any,
+        pad_id: int,
+        logprobs: Logprobs | None = None,
+        micro_batches: Callable[[list[Row], int], list[list[int]]] = pack,
+        across: Reduction | None = None,
+    ) -> None:
         self.model = model
         self.pad_id = pad_id
         from peft import PeftModel
@@ -181,13 +227,17 @@ class Trainer:
             raise ValueError("the model has no trainable parameters")
         self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-4)
         self.device = next(model.parameters()).device
+        self.logprobs: Logprobs = logprobs or (
+            lambda mb, chunk, with_entropy: token_logprobs(model, mb, chunk, with_entropy)
+        )
+        self.micro_batches = micro_batches
+        self.across: Reduction = across or OneProcess()
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
         """GRPO: rows (with their advantages) → micro-batches → logprobs → loss → backward, then clip and
         step; one optimizer step per `steps_per_call` slice of the rows. Returns the step's metrics."""
         started = time.perf_counter()
-        if config.kl_coef > 0 and not self.has_adapter:
-            raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
+        check_train_config(config, self.has_adapter)
         spc = config.steps_per_call
         slices = [batch.rows[k::spc] for k in range(spc)]
         batch.trainer_logprobs = [[] for _ in batch.rows]
@@ -198,10 +248,13 @@ class Trainer:
             for k, rows in enumerate(slices):
                 if not rows:
                     continue
-                normaliser = _normaliser(rows)
-                for micro in pack(rows, config.max_tokens_per_microbatch):
+                normaliser = _normaliser(rows)  # (of all the slice's rows: every rank sees them all)
+                for micro in self.micro_batches(rows, config.max_tokens_per_microbatch):
+                    if not micro:
+                        self._idle_pass(rows[0], config.logprob_chunk_size, config.kl_coef > 0)
+                        continue
                     mb = collate([rows[i] for i in micro], self.device, self.pad_id)
-                    lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
+                    lp, entropy = self.logprobs(mb, config.logprob_chunk_size, True)  # (B, T-1) each
                     if config.save_rows:  # for the step's record (the dashboard's token view)
                         _record_logprobs(
                             batch, [k + i * spc for i in micro], lp, mb, total.optimizer_steps == 0
@@ -216,6 +269,7 @@ class Trainer:
                 total.optimizer_steps += 1
         finally:
             self._end()
+        total.reduce(self.across)
         return total.metrics(time.perf_counter() - started)
 
     def sft(self, steps: list[list[Row]], config: SFTConfig) -> dict[str, float]:
@@ -229,9 +283,12 @@ class Trainer:
             for rows in filter(None, steps):
                 normaliser = _normaliser(rows)
                 step_loss = 0.0
-                for micro in pack(rows, config.max_tokens_per_microbatch):
+                for micro in self.micro_batches(rows, config.max_tokens_per_microbatch):
+                    if not micro:
+                        self._idle_pass(rows[0], config.logprob_chunk_size, False)
+                        continue
                     mb = collate([rows[i] for i in micro], self.device, self.pad_id)
-                    lp, entropy = token_logprobs(self.model, mb, config.logprob_chunk_size)  # (B, T-1) each
+                    lp, entropy = self.logprobs(mb, config.logprob_chunk_size, True)  # (B, T-1) each
                     micro_loss = sft_loss(lp, mb.mask, mb.weights, normaliser)
                     micro_loss.backward()
                     token_weight = mb.mask * mb.weights[:, None]  # (B, T-1)
@@ -243,6 +300,7 @@ class Trainer:
                 done += 1
         finally:
             self._end()
+        loss, entropy_sum, weight = self.across.sum([loss, entropy_sum, weight])
         return {
             "loss": loss / (done or 1),  # mean over optimizer steps of the token-mean NLL
             "entropy": entropy_sum / (weight or 1.0),
@@ -271,11 +329,22 @@ class Trainer:
     def _reference_logprobs(self, mb: MicroBatch, config: TrainConfig) -> torch.Tensor:
         """The base policy's logprobs (the adapter disabled: no second copy of the weights), no grad."""
         with torch.no_grad(), self.model.disable_adapter():
-            return token_logprobs(self.model, mb, config.logprob_chunk_size, with_entropy=False)[0]
+            return self.logprobs(mb, config.logprob_chunk_size, False)[0]
+
+    def _idle_pass(self, row: Row, chunk: int | None, with_reference: bool) -> None:
+        """The forward and backward passes of a micro-batch that trains nothing (a zero loss): a rank with
+        fewer micro-batches than another still joins each of their FSDP collectives, in the same order."""
+        mb = collate([row], self.device, self.pad_id)
+        lp, _ = self.logprobs(mb, chunk, False)  # (1, T-1)
+        if with_reference:
+            with torch.no_grad(), self.model.disable_adapter():
+                self.logprobs(mb, chunk, False)
+        (lp.sum() * 0.0).backward()
 
     def _optimizer_step(self, max_grad_norm: float | None) -> float:
         limit = max_grad_norm if max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, limit))
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters, limit)  # a DTensor when FSDP shards them
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -286,18 +355,12 @@ class Trainer:
         self.model.save_pretrained(directory)
         torch.save(self.optimizer.state_dict(), f"{directory}/optimizer.pt")
 
+    def close(self) -> None:
+        """Nothing to stop: this trainer runs in this process."""
+
     def load(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
         if self.has_adapter:
-            from peft import set_peft_model_state_dict
-
-            state = load_file(f"{directory}/adapter_model.safetensors", device=str(self.device))
-            result = set_peft_model_state_dict(self.model, state)
-            if getattr(result, "unexpected_keys", None):
-                raise ValueError(
-                    f"checkpoint {directory} does not fit this adapter: {result.unexpected_keys}"
-                )
+            load_adapter(self.model, directory)
         optimizer_file = f"{directory}/optimizer.pt"
         try:  # weights_only: a checkpoint is data, never code (a pickle could run anything)
             state = torch.load(optimizer_file, map_location=self.device, weights_only=True)
@@ -308,3 +371,15 @@ class Trainer:
                 f"{optimizer_file} is not a plain optimizer state (refused to unpickle it): {exc}"
             ) from None
         self.optimizer.load_state_dict(state)
+
+
+def load_adapter(model: Any, directory: str) -> None:
+    """The adapter weights of checkpoint `directory` into `model` (a PeftModel with the same LoRA config)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    device = next(model.parameters()).device
+    state = load_file(f"{directory}/adapter_model.safetensors", device=str(device))
+    result = set_peft_model_state_dict(model, state)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"checkpoint {directory} does not fit this adapter: {result.unexpected_keys}")

@@ -1,0 +1,313 @@
+"""Training in 2 processes (TrainerConfig(ranks=2): torch.distributed on gloo, FSDP2) equals training in one:
+the same loss, metrics, trainer logprobs, gradients (the optimizer's first moments) and weights, for LoRA and
+for full fine-tuning; a checkpoint of either resumes in the other; a rank that dies or hangs is an error.
+The failure tests and the demo are `slow` (CI runs them)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import artrl
+import artrl.storage
+from artrl.config import EngineConfig, TrainerConfig
+from artrl.local.batch import TrainingBatch
+from artrl.local.loading import load_model_and_tokenizer
+from artrl.local.row_shards import rank_micro_batches, shard_rows
+from artrl.local.rows import Row
+from artrl.local.trainer import Trainer, attach_adapter, load_adapter
+from artrl.local.trainer_rank import optimizer_state_by_index, optimizer_state_by_name
+from artrl.local.trainer_ranks import TrainerRanks, TrainerRanksError
+
+LR = 1e-2
+MICRO_TOKENS = 64  # every row a micro-batch of its own: 3 on one rank, 2 on the other (an idle pass)
+
+
+def step_rows(seed: int) -> list[Row]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(5):
+        n, prompt = rng.randint(20, 60), rng.randint(5, 15)
+        rows.append(
+            Row(
+                ids=[rng.randrange(2048) for _ in range(n)],
+                mask=[0] * prompt + [1] * (n - prompt),
+                logprobs=[float("nan")] * prompt + [rng.uniform(-8.0, -6.0) for _ in range(n - prompt)],
+                trajectory=i,
+                weight=0.5 if i == 4 else 1.0,
+                advantage=rng.choice([1.0, -1.0]) * rng.uniform(0.5, 1.5),
+            )
+        )
+    return rows
+
+
+def test_rows_are_shared_by_tokens_and_every_rank_runs_as_many_micro_batches():
+    assert shard_rows([10, 50, 30, 40], 2) == [[1, 0], [3, 2]]  # 60 and 70 tokens
+    rows = step_rows(0)
+    shares = [rank_micro_batches(rows, MICRO_TOKENS, 2, r) for r in range(2)]
+    assert len(shares[0]) == len(shares[1]) and [] in shares[1]  # the idle pass the test below runs
+    assert sorted(i for share in shares for micro in share for i in micro) == list(range(len(rows)))
+    names = ["a", "b"]
+    state = {"state": {"b": {"step": 1}}, "param_groups": [{"lr": 0.1, "params": ["a", "b"]}]}
+    assert optimizer_state_by_index(state, names) == {
+        "state": {1: {"step": 1}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+    }
+    assert optimizer_state_by_name(optimizer_state_by_index(state, names), names) == state
+
+
+def test_settings_the_ranks_cannot_honour_are_refused_before_anything_starts(tiny_model_dir):
+    from artrl.config import GatewayConfig, LoadConfig
+    from artrl.local.service import LocalService
+
+    with pytest.raises(ValueError, match="2 devices for 3 ranks"):
+        TrainerConfig(ranks=3, devices=("cuda:0", "cuda:1"))
+    with pytest.raises(ValueError, match=r"QLoRA.*one process"):
+        LocalService.start(
+            "m",
+            str(tiny_model_dir),
+            EngineConfig(load=LoadConfig(quantization="4bit")),
+            GatewayConfig(),
+            artrl.LoraConfig(),
+            trainer_config=TrainerConfig(ranks=2),
+        )
+
+
+def served_model(base: Path, lora: artrl.LoraConfig | None, checkpoint: Path | None = None):
+    """The model as LocalService builds it: loaded, adapter attached (a seeded random init), resumed."""
+    torch.manual_seed(0)
+    weights = str(checkpoint) if lora is None and checkpoint is not None else None
+    model, _ = load_model_and_tokenizer(str(base), EngineConfig(), weights)
+    model = attach_adapter(model, lora)
+    if lora is not None and checkpoint is not None:
+        load_adapter(model, str(checkpoint))
+    return model
+
+
+def two_ranks(
+    base: Path, model, lora, log_dir: Path, checkpoint: Path | None = None, **config
+) -> TrainerRanks:
+    return TrainerRanks(
+        model, str(base), EngineConfig(), lora, TrainerConfig(ranks=2, **config), 0, checkpoint, log_dir
+    )
+
+
+def trained(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_step(one: tuple, two: tuple) -> None:
+    """(metrics, batch, weights) of one process and of two ranks: equal within fp32 summation order."""
+    (metrics1, batch1, weights1), (metrics2, batch2, weights2) = one, two
+    assert metrics1.keys() == metrics2.keys()
+    for key in metrics1.keys() - {"train_seconds"}:
+        assert metrics2[key] == pytest.approx(metrics1[key], rel=1e-4, abs=1e-6), key
+    assert metrics1["loss"] != 0 and metrics1["grad_norm"] > 0
+    assert batch2.before_update == batch1.before_update
+    for row1, row2 in zip(batch1.trainer_logprobs, batch2.trainer_logprobs, strict=True):
+        assert [x is None for x in row2] == [x is None for x in row1] and len(row1) > 1
+        assert [x for x in row2 if x is not None] == pytest.approx(
+            [x for x in row1 if x is not None], abs=1e-5
+        )
+    assert weights1.keys() == weights2.keys()
+    for name in weights1:  # (AdamW's update g/√v of a near-zero gradient amplifies rounding: seen ≤ 5e-6)
+        assert torch.allclose(weights2[name], weights1[name], atol=1e-3 * LR), name
+
+
+def assert_same_optimizer(path1: Path, path2: Path) -> None:
+    """The full optimizer states are one format; AdamW's first moment exp_avg = (1-β1)·g after the first
+    step (and a running mean of the gradients after that): equal moments are equal gradients."""
+    one, two = (torch.load(p, weights_only=True) for p in (path1, path2))
+    assert one["param_groups"] == two["param_groups"] and one["state"].keys() == two["state"].keys()
+    for i, state in one["state"].items():
+        for key, value in state.items():
+            scale = float(value.abs().max()) or 1.0
+            assert torch.allclose(two["state"][i][key], value, rtol=1e-4, atol=1e-5 * scale), (i, key)
+    assert any(float(s["exp_avg"].abs().max()) > 0 for s in one["state"].values())
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny_model_dir, tmp_path):
+    lora = artrl.LoraConfig() if mode == "lora" else None
+    # LoRA: with a KL penalty (a reference forward with the adapter off, idle passes included); full: the
+    # gradient clipped (a norm over every shard) and activations checkpointed inside FSDP2's layers
+    config = artrl.TrainConfig(
+        learning_rate=LR,
+        max_tokens_per_microbatch=MICRO_TOKENS,
+        max_grad_norm=None if mode == "lora" else 0.5,
+        kl_coef=0.05 if mode == "lora" else 0.0,
+        gradient_checkpointing=mode == "full",
+    )
+
+    def run(trainer, model, seed: int) -> tuple:
+        batch = TrainingBatch(rows=step_rows(seed))
+        metrics = trainer.step(batch, config)
+        if isinstance(trainer, TrainerRanks):
+            trainer.load_update()
+        return metrics, batch, trained(model)
+
+    model1 = served_model(tiny_model_dir, lora)
+    one = Trainer(model1, pad_id=0)
+    model2 = served_model(tiny_model_dir, lora)
+    ranks = two_ranks(tiny_model_dir, model2, lora, tmp_path)
+    try:
+        first = run(one, model1, seed=1)
+        assert_same_step(first, run(ranks, model2, seed=1))
+        for trainer, folder in ((one, "one"), (ranks, "two")):
+            (tmp_path / folder).mkdir()
+            trainer.save(str(tmp_path / folder))
+        assert_same_optimizer(tmp_path / "one/optimizer.pt", tmp_path / "two/optimizer.pt")
+    finally:
+        ranks.close()
+    second = run(one, model1, seed=2)  # one process, uninterrupted
+    # 2 ranks -> 1 process: the checkpoint the ranks wrote, loaded as LocalService loads it
+    model3 = served_model(tiny_model_dir, lora, tmp_path / "two")
+    resumed = Trainer(model3, pad_id=0)
+    resumed.load(str(tmp_path / "two"))
+    assert_same_step(second, run(resumed, model3, seed=2))
+    # 1 process -> 2 ranks
+    model4 = served_model(tiny_model_dir, lora, tmp_path / "one")
+    ranks = two_ranks(tiny_model_dir, model4, lora, tmp_path, checkpoint=tmp_path / "one")
+    try:
+        assert_same_step(second, run(ranks, model4, seed=2))
+        for trainer, folder in ((one, "one-2"), (ranks, "two-2")):
+            (tmp_path / folder).mkdir()
+            trainer.save(str(tmp_path / folder))
+        assert_same_optimizer(tmp_path / "one-2/optimizer.pt", tmp_path / "two-2/optimizer.pt")
+        if lora is None:  # SFT (full fine-tuning, as the demo's warm start): 2 optimizer steps
+            sft = artrl.SFTConfig(learning_rate=1e-3, max_tokens_per_microbatch=MICRO_TOKENS)
+            steps = [step_rows(3)[:3], step_rows(4)]
+            metrics1, metrics2 = one.sft(steps, sft), ranks.sft(steps, sft)
+            ranks.load_update()
+            for key in metrics1.keys() - {"train_seconds"}:
+                assert metrics2[key] == pytest.approx(metrics1[key], rel=1e-4), key
+            weights1, weights2 = trained(model1), trained(model4)
+            assert all(torch.allclose(weights2[n], weights1[n], atol=1e-6) for n in weights1)
+    finally:
+        ranks.close()
+    assert all(p.poll() is not None for p in ranks.procs)
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(engine, tiny_model_dir, tmp_path):
+    """The wiring: rollouts through the gateway, a step on 2 ranks, the served model changes (vLLM: the
+    checkpoint's adapter loaded), the checkpoint and the step's record are complete; closing the backend
+    stops the ranks; one process resumes the run."""
+    from scored_rollouts import PROMPT, rollouts
+
+    path = tmp_path / "artrl"
+    ranks = artrl.TrainerConfig(ranks=2)
+    async with artrl.LocalBackend(path=path, engine=engine, trainer=ranks) as backend:
+        model = artrl.TrainableModel(name="tiny", project="ranks", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        service = backend.service(model)
+        procs = service.trainer.procs
+        probe = {
+            "model": model.name,
+            "messages": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0.0,
+            "logprobs": True,
+        }
+        before_probe = (await model.openai_client().chat.completions.create(**probe)).choices[0]
+        before = trained(service.model)
+        config = artrl.TrainConfig(learning_rate=1e-2)
+        result = await model.train([await rollouts(model, [1, 0, 0, 1])], config=config)
+        assert result.step == 1 and result.metrics["optimizer_steps"] == 1 and result.metrics["rows"] == 4
+        after = trained(service.model)
+        assert {n for n in before if not torch.equal(before[n], after[n])} == {
+            n for n in before if "lora_B" in n
+        }
+        after_probe = (await model.openai_client().chat.completions.create(**probe)).choices[0]
+        assert after_probe.token_logprobs != pytest.approx(before_probe.token_logprobs, abs=1e-6)
+        directory = backend.directory(model)
+        assert {p.name for p in (directory / "checkpoints/0001").iterdir()} >= {
+            "adapter_model.safetensors",
+            "adapter_config.json",
+            "optimizer.pt",
+        }
+        records = artrl.storage.read_step_rows(directory, 1)
+        assert [r["trainer_logprobs"] is not None for r in records if r["trained"]] == [True] * 4
+    assert all(p.poll() is not None for p in procs), "the ranks stop with the backend"
+    async with artrl.LocalBackend(path=path) as backend:
+        again = artrl.TrainableModel(name="tiny", project="ranks", base_model=str(tiny_model_dir))
+        await again.register(backend)
+        assert await again.get_step() == 1
+        restored = trained(backend.service(again).model)
+        assert all(torch.equal(after[n], restored[n]) for n in after)
+        assert backend.service(again).trainer.optimizer.state, "optimizer state restored"
+        assert (await again.train([await rollouts(again, [0, 1])], config=config)).step == 2
+
+
+@pytest.mark.slow  # (starts 2 rank processes: 10-30 s on 2 cores)
+def test_a_rank_that_dies_or_hangs_is_a_clear_error(tiny_model_dir, tmp_path):
+    lora = artrl.LoraConfig()
+    config = artrl.TrainConfig(max_tokens_per_microbatch=MICRO_TOKENS)
+    ranks = two_ranks(tiny_model_dir, served_model(tiny_model_dir, lora), lora, tmp_path, call_timeout_s=3)
+    try:
+        os.kill(ranks.procs[1].pid, signal.SIGSTOP)  # hangs: rank 0 waits in a collective it never joins
+        started = time.monotonic()
+        with pytest.raises(TrainerRanksError, match=r"trainer ranks \[.*1\] did not answer within 3 s"):
+            ranks.step(TrainingBatch(rows=step_rows(1)), config)
+        assert time.monotonic() - started < 30
+        assert all(p.poll() is not None for p in ranks.procs), "every rank is stopped"
+        with pytest.raises(TrainerRanksError, match="did not answer"):  # and stays an error
+            ranks.step(TrainingBatch(rows=step_rows(1)), config)
+    finally:
+        ranks.close()
+    ranks = two_ranks(tiny_model_dir, served_model(tiny_model_dir, lora), lora, tmp_path)
+    try:
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        ranks.procs[1].wait(10)
+        with pytest.raises(
+            TrainerRanksError, match=r"trainer rank 1 (is gone|exited) \(exit code -9\)"
+        ) as error:
+            ranks.step(TrainingBatch(rows=step_rows(1)), config)
+        assert "Register the model again" in str(error.value) and "rank1.log" in str(error.value)
+        assert all(p.poll() is not None for p in ranks.procs)
+    finally:
+        ranks.close()
+
+
+@pytest.mark.slow  # (starts 2 rank processes: 10-30 s on 2 cores)
+def test_a_rank_that_cannot_start_says_why(tiny_model_dir, tmp_path):
+    model = served_model(tiny_model_dir, None)
+    with pytest.raises(TrainerRanksError, match="failed during start") as error:
+        TrainerRanks(
+            model, str(tmp_path / "nowhere"), EngineConfig(), None, TrainerConfig(ranks=2), 0, None, tmp_path
+        )
+    assert "could not load base_model" in str(error.value)
+
+
+@pytest.mark.slow
+def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path):
+    """tests/test_examples.py's learning test (the same shortened demo and the same bar: +0.25 validation
+    success, +0.15 reward on 48 unseen mazes) with GRPO in 2 trainer processes (FSDP2 on gloo)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = Path(__file__).parent.parent / "examples" / "train_agent.py"
+    subprocess.run(
+        [
+            *(sys.executable, str(script), "--path", str(tmp_path / "artrl"), "--out", str(out)),
+            *("--steps", "16", "--val-size", "48", "--eval-every", "8", "--trainer-ranks", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    summary = json.loads((out / "summary_seed0_ranks2.json").read_text())
+    before, after = summary["before"], summary["after"]
+    assert summary["trainer_ranks"] == 2 and len(summary["history"]) == 16
+    assert after["success"] - before["success"] >= 0.25, summary["val_points"]
+    assert after["reward"] - before["reward"] >= 0.15
+    assert len(list((tmp_path / "artrl" / "maze").glob("maze-seed0-*/trainer-ranks/rank1.log"))) == 1
