@@ -69,6 +69,7 @@ __all__ = [
     "TrainResult",
     "TrainableModel",
     "TrainerConfig",
+    "TrainerRanksError",
     "Trajectory",
     "TrajectoryGroup",
     "VLLMConfig",
@@ -85,6 +86,7 @@ __all__ = [
 ]
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__ below
     from artrl.local.backend import CheckpointError, LocalBackend
+    from artrl.local.trainer_ranks import TrainerRanksError
 
 __version__ = _version("artrl")
 
@@ -96,4 +98,8 @@ def __getattr__(name: str):
         from artrl.local import backend
 
         return getattr(backend, name)
+    if name == "TrainerRanksError":  # (raised by a train call when a trainer rank fails; imports torch)
+        from artrl.local import trainer_ranks
+
+        return trainer_ranks.TrainerRanksError
     raise AttributeError(f"module 'artrl' has no attribute {name!r}")
