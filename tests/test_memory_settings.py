@@ -157,6 +157,34 @@ def test_attention_implementation_is_used_as_given(tiny_model_dir):
     assert eager.config._attn_implementation == "eager"
 
 
+def test_device_map_reaches_from_pretrained_and_a_split_model_needs_vllm(tiny_model_dir):
+    import torch
+
+    from artrl.local.loading import check_placement, model_options
+
+    placement = {"": "cpu"}
+    config = EngineConfig(load=LoadConfig(device_map=placement))
+    assert model_options(config, torch.device("cpu"), torch.float32)["device_map"] == placement
+    model, _ = load_model_and_tokenizer(str(tiny_model_dir), config)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    model.lm_head.to("meta")  # a model spread over two devices
+    with pytest.raises(ValueError, match="the embedded engine generates on one device"):
+        check_placement(model, EngineConfig())
+    check_placement(model, EngineConfig(kind="vllm"))  # the trainer's copy may span GPUs
+
+
+async def test_device_map_with_trainer_ranks_is_refused(tiny_model_dir, tmp_path):
+    backend = artrl.LocalBackend(
+        path=tmp_path,
+        engine=EngineConfig(load=LoadConfig(device_map="auto")),
+        trainer=artrl.TrainerConfig(ranks=2),
+    )
+    model = artrl.TrainableModel(name="d", project="p", base_model=str(tiny_model_dir))
+    with pytest.raises(ValueError, match="use one or the other"):
+        await model.register(backend)
+    await backend.close()
+
+
 def test_4bit_is_refused_clearly_where_it_cannot_run(tiny_model_dir):
     config = EngineConfig(device="cpu", load=LoadConfig(quantization="4bit"))
     with pytest.raises(ValueError, match="needs a CUDA GPU"):

@@ -179,6 +179,13 @@ class LoadConfig(_Frozen):
         description="transformers' attention ('sdpa', 'eager', 'flash_attention_2', ...); None: its default, "
         "with artrl's CPU attention on a CPU (EngineConfig.cpu_attention). Set, it is used as given",
     )
+    device_map: str | dict[str, int | str] | None = Field(
+        default=None,
+        description="accelerate's placement of the model's modules across devices ('auto', 'balanced', or "
+        "{module: device}), for a model too big for one GPU: the trainer's copy with EngineConfig(kind='vllm') "
+        "(vLLM spreads its own with tensor_parallel_size); the embedded engine needs the model on one device; "
+        "None = the whole model on EngineConfig.device",
+    )
     quantization: Literal["none", "4bit"] = Field(
         default="none",
         description="4bit: NF4 base weights for LoRA training (QLoRA, bitsandbytes), compute in the engine's "

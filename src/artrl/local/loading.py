@@ -56,7 +56,9 @@ def load_model_and_tokenizer(
         ) from None
     if tokenizer.chat_template is None:
         raise ValueError(f"{base_model!r} has no chat template; artrl trains chat models")
-    if "quantization_config" not in options:  # (bitsandbytes places quantized weights itself)
+    if "device_map" in options:  # placed by accelerate (or bitsandbytes)
+        check_placement(model, config)
+    else:
         model.to(device)
     model.eval()
     if config.cpu_attention and config.load.attn_implementation is None:  # for generation and training
@@ -96,7 +98,23 @@ def model_options(config: EngineConfig, device: torch.device, dtype: torch.dtype
             bnb_4bit_compute_dtype=dtype,
         )
         options["device_map"] = {"": device.index or 0}
+    if load.device_map is not None:
+        options["device_map"] = load.device_map
     return options
+
+
+def check_placement(model: Any, config: EngineConfig) -> None:
+    """A model that `device_map` spread over several devices serves only through vLLM: the embedded engine
+    keeps its batch's keys and values on one device (ValueError saying what to do)."""
+    devices = {str(p.device) for p in model.parameters()} | {
+        str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()
+    }
+    if config.kind == "hf" and len(devices) > 1:
+        raise ValueError(
+            f"LoadConfig(device_map=...) put the model on {sorted(devices)}; the embedded engine generates on "
+            "one device. Serve it with EngineConfig(kind='vllm') (its tensor_parallel_size spreads vLLM's copy; "
+            "device_map then places the trainer's), or give a device_map that keeps it on one device"
+        )
 
 
 def load_tokenizer(model: str) -> Any:

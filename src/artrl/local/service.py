@@ -84,6 +84,11 @@ class LocalService:
                 "4-bit base weights (QLoRA) train in one process here: sharding bitsandbytes' 4-bit weights "
                 "across trainer ranks is not supported; use TrainerConfig(ranks=1), or bf16 weights with ranks"
             )
+        if engine_config.load.device_map is not None and trainer_config.ranks > 1 and trainable:
+            raise ValueError(
+                "LoadConfig(device_map=...) places one copy of the model across devices; trainer ranks shard it "
+                "themselves (FSDP2): use one or the other"
+            )
         full_weights = lora is None and resume_from is not None
         if engine_config.load.quantization == "4bit" and lora is None and trainable:
             raise ValueError(
