@@ -57,7 +57,8 @@ LAYERS: dict[str, int] = {
     "artrl.local.in_process": 2,  # an httpx transport to the gateway in the same process
     "artrl.local.engine_vllm": 3,
     "artrl.local.vllm_server": 3,
-    "artrl.local.vllm_replicas": 3,  # the servers behind one gateway, supervised
+    "artrl.local.vllm_replicas": 3,  # the servers behind one gateway, what they must serve
+    "artrl.local.vllm_supervisor": 3,  # a replica's state; the thread that keeps them alive
     "artrl.local.vllm_completions": 3,  # vLLM's /v1/completions on the wire
     "artrl.local.replica_router": 2,  # which replica serves a request, from token ids (pure)
     "artrl.local.server": 3,

@@ -124,3 +124,17 @@ def test_replica_settings_are_checked():
         artrl.LocalBackend(
             engine=artrl.EngineConfig(kind="vllm", vllm=VLLMConfig(replicas=2)), vllm_url="http://a:1"
         )
+
+
+def test_placement_refuses_more_gpus_than_are_visible():
+    with pytest.raises(ValueError, match=r"2 replicas .* 4 GPUs.* 3 are visible"):
+        replica_placement(0, 2, 2, False, [0, 1], {}, ["0", "1", "2"])
+    assert replica_placement(0, 2, 2, False, [0, 1], {"CUDA_VISIBLE_DEVICES": "0"}, ["0"]) == {}  # the user's
+
+
+def test_a_sequence_served_across_a_restart_is_not_remembered_for_the_new_life():
+    router = ReplicaRouter(2, 100)
+    route = router.route([1, 2], 1, (0, 1))
+    router.restarted(route.replica)  # its cache emptied while it served the request
+    router.done(route, [[3]])
+    assert not router.route([1, 2, 3, 4], 1, (0, 1)).affine

@@ -91,6 +91,15 @@ async def test_a_request_that_fails_after_streaming_or_for_its_own_sake_is_not_r
     await engine.close()
 
 
+async def test_a_stream_that_ends_with_no_token_and_no_finish_reason_is_sent_to_the_other_replica():
+    engine, asked = two_fake_replicas(
+        [httpx.Response(200, content=sse()), httpx.Response(200, content=sse(tokens([4, 2], "stop")))]
+    )
+    assert await generate(engine) == [4, 2]
+    assert sorted(asked) == ["r0.invalid", "r1.invalid"]
+    await engine.close()
+
+
 async def test_no_replica_up_is_a_clear_error_at_once():
     engine, asked = two_fake_replicas([httpx.ConnectError("connection refused")] * 2)
     with pytest.raises(EngineError) as failure:
@@ -325,137 +334,3 @@ async def test_a_replica_that_dies_is_restarted_and_the_gateway_goes_on(pair):
     )
     assert served_by(before, counts(engine)) == [0, 1]
     assert engine.replica_stats()[victim]["restarts"] == 1
-
-
-# ---------------------------------------------------------------- the supervisor, over fake servers
-class FakeVLLM:
-    """A stand-in vLLM server on a local port: /health answers 200 while `healthy`; adapter loads are
-    recorded; `alive` plays its process."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        self.healthy, self.alive, self.loads, self.stopped = True, True, [], False
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200 if fake.healthy else 503)
-                self.end_headers()
-
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                body = json.loads(raw) if raw else {}
-                fake.loads.append((self.path, body.get("lora_name")))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.base_url, self.api_key, self.log_path = (
-            f"http://127.0.0.1:{self.http.server_port}",
-            "k",
-            "fake.log",
-        )
-
-    def describe_exit(self) -> str:
-        return "the fake server exited"
-
-    def stop(self) -> None:
-        self.alive, self.stopped = False, True
-        self.http.shutdown()
-        self.http.server_close()
-
-
-async def until(condition, timeout: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
-FAST = {"health_check_interval_s": 0.05, "connect_timeout_s": 2, "request_timeout_s": 5}
-
-
-async def test_the_supervisor_restarts_a_replica_and_loads_the_adapter_before_it_serves():
-    first = [FakeVLLM(), FakeVLLM()]
-    started: list[FakeVLLM] = []
-
-    def start(index: int, weights, cancel) -> FakeVLLM:
-        started.append(FakeVLLM())
-        return started[-1]
-
-    config = VLLMConfig(health_failures_before_restart=2, max_restarts=1, **FAST)
-    replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(first)]
-    engine = VLLMEngine(replicas, "m", "m", 2048, config, start)
-    await engine.load_adapter(1, "/ckpt/0001")
-    assert [s.loads for s in first] == [[("/v1/load_lora_adapter", "m@1")]] * 2
-    first[0].healthy = False  # alive, but not answering: restarted after 2 failed checks
-    await until(lambda: engine.replicas[0].restarts == 1 and engine.replicas[0].state == "up")
-    assert first[0].stopped and started[0].loads == [("/v1/load_lora_adapter", "m@1")]
-    assert engine.replicas[0].server is started[0] and engine.replicas[0].base_url == started[0].base_url
-    assert engine.replicas.eligible("m@1") == [0, 1]
-    first[1].alive = False  # its process exited; restarted at once
-    await until(lambda: engine.replicas[1].restarts == 1 and engine.replicas[1].state == "up")
-    assert engine.replicas[1].adapters == ["m@1"]
-    started[0].alive = False  # beyond max_restarts: it stays down, the other serves
-    await until(lambda: engine.replicas[0].state == "failed")
-    assert engine.replicas.eligible("m@1") == [1] and len(started) == 2
-    await engine.close()
-    assert all(s.stopped for s in started)
-
-
-async def test_a_server_artrl_did_not_start_is_used_again_once_it_answers():
-    fake = FakeVLLM()
-    engine = VLLMEngine([Replica(0, fake.base_url, "k")], "m", "m", 2048, VLLMConfig(**FAST))
-    await engine.load_adapter(3, "/ckpt/0003")
-    fake.healthy = False
-    await until(lambda: engine.replicas[0].state == "down")
-    assert engine.replicas.eligible("m@3") == [] and not fake.stopped  # not ours to stop or restart
-    fake.loads.clear()
-    fake.healthy = True
-    await until(lambda: engine.replicas[0].state == "up")
-    assert fake.loads == [("/v1/load_lora_adapter", "m@3")] and engine.replicas[0].restarts == 0
-    await engine.close()
-    fake.stop()
-
-
-def test_the_tensor_parallel_size_reaches_the_server_command(tmp_path):
-    """A stand-in interpreter that exits at once: the start fails, quoting the log and its command line."""
-    from artrl.local.vllm_server import VLLMServer, VLLMStartError
-
-    config = VLLMConfig(python="/bin/true", tensor_parallel_size=2)
-    with pytest.raises(VLLMStartError, match="--tensor-parallel-size 2"):
-        VLLMServer.start(str(tmp_path), "m", tmp_path / "vllm.log", config, max_model_len=64)
-    with pytest.raises(VLLMStartError) as failure:
-        VLLMServer.start(
-            str(tmp_path), "m", tmp_path / "vllm.log", VLLMConfig(python="/bin/true"), max_model_len=64
-        )
-    assert "tensor-parallel" not in str(failure.value).splitlines()[-1]  # one device: vLLM's default, unsaid
-
-
-async def test_sleeping_and_full_weight_reloads_apply_to_every_replica():
-    first = [FakeVLLM(), FakeVLLM()]
-    started: list[tuple[int, str | None]] = []
-
-    def start(index: int, weights, cancel) -> FakeVLLM:
-        started.append((index, weights))
-        return FakeVLLM()
-
-    config = VLLMConfig(sleep_while_training=True, **FAST)
-    replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(first)]
-    engine = VLLMEngine(replicas, "m", "m", 2048, config, start)
-    async with engine.training():
-        assert [s.loads for s in first] == [[("/sleep?level=1&mode=wait", None)]] * 2
-    assert all(s.loads[-1] == ("/wake_up", None) for s in first)
-    await engine.publish(1, "/ckpt/0001", adapter=False)  # full fine-tuning: every replica restarts on it
-    assert sorted(started) == [(0, "/ckpt/0001"), (1, "/ckpt/0001")] and all(s.stopped for s in first)
-    assert [r.state for r in engine.replicas.replicas] == [
-        "up",
-        "up",
-    ] and engine.replicas.weights == "/ckpt/0001"
-    await engine.close()

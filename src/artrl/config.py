@@ -83,10 +83,16 @@ class VLLMConfig(_Frozen):
         default=2.0, gt=0, description="how often the supervisor checks every replica (process, /health)"
     )
     health_failures_before_restart: int = Field(
-        default=3, ge=1, description="failed /health checks in a row (process alive) before a restart"
+        default=3,
+        ge=1,
+        description="failed /health checks in a row (process alive) before a restart: no answer or a 5xx; a "
+        "check that times out counts only if no token came from that replica since the previous check",
     )
     max_restarts: int = Field(
-        default=5, ge=0, description="restarts per replica; beyond, it stays down (the others go on serving)"
+        default=5,
+        ge=0,
+        description="restarts in a row per replica (reset once it serves tokens again); beyond, it stays "
+        "down (the others go on serving)",
     )
     affinity_entries: int = Field(
         default=100_000, ge=0, description="served sequences remembered to route their continuations (LRU)"

@@ -31,7 +31,12 @@ import httpx
 from artrl.config import VLLMConfig
 from artrl.local.engine import EngineError, SamplingParams, SequenceStream
 from artrl.local.replica_router import ReplicaRouter, Route
-from artrl.local.vllm_completions import ReplicaFailure, completion_request, read_completion_stream
+from artrl.local.vllm_completions import (
+    ModelNotFound,
+    ReplicaFailure,
+    completion_request,
+    read_completion_stream,
+)
 from artrl.local.vllm_replicas import Replica, ReplicaSet, StartServer
 from artrl.local.vllm_server import VLLMServer
 
@@ -146,7 +151,7 @@ class VLLMEngine:
             try:
                 await self._stream_from(replica, body, streams, ended, sampled)
                 self._done(route, sampled)
-                end_all("error", f"{replica.name()}: vLLM's stream ended without a finish reason")
+                end_all("abort")  # what is left: streams whose consumers went away
                 return
             except asyncio.CancelledError:
                 self._done(route)
@@ -155,7 +160,11 @@ class VLLMEngine:
             except Exception as exc:
                 self._done(route)
                 reason = str(exc) if isinstance(exc, EngineError) else self._explain(exc, replica)
-                replica_failed = isinstance(exc, ReplicaFailure | httpx.TransportError)
+                stale = isinstance(exc, ModelNotFound) and target != self.replicas.base_name
+                if stale:  # its adapter list was stale: nothing streamed, so another replica may serve it
+                    self.replicas.lost(replica, target)
+                    reason = f"{replica.name()} does not hold {target} ({reason})"
+                replica_failed = stale or isinstance(exc, ReplicaFailure | httpx.TransportError)
                 if replica_failed:
                     self.replicas.suspect(route.replica)
                 if not replica_failed or any(sampled) or all(s.aborted for s in streams):
@@ -240,6 +249,7 @@ class VLLMEngine:
         if not self.config.sleep_while_training:
             yield
             return
+        self.replicas.hold_restarts.set()  # a replica restarted now would take the trainer's GPU memory
         try:
             await self.sleep()
             yield
@@ -248,6 +258,8 @@ class VLLMEngine:
                 await self.wake_up()
             except EngineError as exc:
                 log.warning("vLLM did not wake up after training: %s", exc)
+            finally:
+                self.replicas.hold_restarts.clear()
 
     async def publish(self, step: int, checkpoint: str, adapter: bool) -> None:
         """Load the step's adapter as `{model}@{step}`; after full fine-tuning, restart on the checkpoint."""

@@ -37,6 +37,7 @@ class Route:
     prompt_hash: int
     prompt_len: int
     affine: bool  # sent where a remembered prefix lives (else: the least loaded)
+    epoch: int  # the replica's life when routed: a restart meanwhile empties the cache it filled
     open: bool = True
 
 
@@ -65,7 +66,7 @@ class ReplicaRouter:
             replica = self._least_loaded(eligible)
         self.in_flight[replica] += sequences
         self.served[replica] += 1
-        return Route(replica, sequences, prefix[-1], len(prompt_ids), affine)
+        return Route(replica, sequences, prefix[-1], len(prompt_ids), affine, self._epoch[replica])
 
     def done(self, route: Route, completions: Sequence[Sequence[int]] = ()) -> None:
         """The request ended (once; later calls are ignored); `completions` are the sampled ids it served
@@ -83,7 +84,7 @@ class ReplicaRouter:
                 self._owner.move_to_end(key)
             else:
                 self._lengths[length] += 1
-            self._owner[key] = (route.replica, self._epoch[route.replica])
+            self._owner[key] = (route.replica, route.epoch)
             while len(self._owner) > self.max_entries:
                 (old_length, _), _ = self._owner.popitem(last=False)
                 self._forget_length(old_length)

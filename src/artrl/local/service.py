@@ -298,6 +298,11 @@ class VLLMLaunch:
         user_env = {**config.env, **(config.replica_env[index] if config.replica_env else {})}
         on_cpu = device.type == "cpu"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else None
+        if gpus is None and device.type == "cuda":
+            import torch
+
+            gpus = [str(i) for i in range(torch.cuda.device_count())]
         placement = replica_placement(
             index,
             config.replicas,
@@ -307,7 +312,7 @@ class VLLMLaunch:
             if hasattr(os, "sched_getaffinity")
             else list(range(os.cpu_count() or 1)),
             {**os.environ, **user_env} if on_cpu else user_env,
-            visible.split(",") if visible else None,
+            gpus,
         )
         log_name = "vllm.log" if config.replicas == 1 else f"vllm-{index}.log"
         return VLLMServer.start(

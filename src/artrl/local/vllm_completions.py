@@ -17,6 +17,10 @@ class ReplicaFailure(EngineError):
     """A replica failed a request in a way another replica may not (it died, or answered 5xx)."""
 
 
+class ModelNotFound(EngineError):
+    """A replica answered 404: it does not serve the model asked for (for an adapter: it lost it)."""
+
+
 def completion_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
     """The body of a token-in /v1/completions request (streamed)."""
     body: dict[str, Any] = {
@@ -73,7 +77,8 @@ async def read_completion_stream(
     sampled: list[list[int]],
 ) -> None:
     """Stream one completions request from `replica` into `streams` (and each one's ids into `sampled`);
-    returns when every stream ended, raises ReplicaFailure where another replica may do better."""
+    returns when every stream ended (or its consumers went away), raises ReplicaFailure where another replica
+    may do better (a stream that ends with no finish reason among them)."""
     top_k = body["logprobs"]
     fan_out = body["n"] < len(streams)  # greedy: choice 0 feeds every stream
     url = f"{replica.base_url}/v1/completions"
@@ -81,12 +86,14 @@ async def read_completion_stream(
         async with client.stream("POST", url, json=body, headers=replica.headers) as response:
             if response.status_code != 200:
                 await response.aread()
-                failure = ReplicaFailure if response.status_code >= 500 else EngineError
+                status = response.status_code
+                failure = ReplicaFailure if status >= 500 else ModelNotFound if status == 404 else EngineError
                 raise failure(f"vLLM answered {response.status_code}: {response.text[:2000]}")
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                replica.tokens_seen += 1  # it is working (the supervisor does not take a busy server down)
                 if "error" in chunk:
                     server = replica.server  # read once: a restart may replace it meanwhile
                     where = f" (its log: {server.log_path})" if server else ""
@@ -110,3 +117,5 @@ async def read_completion_stream(
                             streams[i].end("length" if reason == "length" else "stop")
                 if all(ended):
                     return
+    if not all(ended[i] or streams[i].aborted for i in range(len(streams))):
+        raise ReplicaFailure(f"{replica.name()}: vLLM's stream ended without a finish reason")

@@ -1,59 +1,39 @@
-"""The vLLM servers behind one gateway, kept alive: a supervisor thread checks every replica (its process,
-its /health), restarts one that died (a server artrl started) or waits for one that went away (a server at
-`VLLMConfig.url`), and loads the served adapter into a replica before it takes requests again.
+"""The vLLM servers behind one gateway, and what they must serve (the supervisor that keeps them alive:
+vllm_supervisor.py).
 
 Adapters: every step's adapter goes into every replica that is up (concurrently) before requests ask for it;
-a replica takes a request only if it holds that request's adapter, so one that came back meanwhile is sent
-nothing until the supervisor has loaded the current adapter into it.
+a replica takes a request only if it holds that request's adapter, so one that came back meanwhile, refused
+the load, or turned out to have lost the adapter (a 404) is sent nothing for it until the supervisor has
+loaded it. Calls to every replica (an adapter load, sleep/wake, a full-weights restart) tolerate replicas
+that are down: a replica that failed the call is probed (in threads, concurrently); one that is still up and
+did not take it is an error, one that is down is left to the supervisor; no replica taking the call is an
+error.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from artrl.config import VLLMConfig
 from artrl.local.engine import EngineError
-from artrl.local.vllm_server import VLLMServer
+from artrl.local.vllm_supervisor import Replica, StartServer, Supervisor
+
+__all__ = ["Refused", "Replica", "ReplicaSet", "StartServer"]
 
 log = logging.getLogger(__name__)
 
-State = Literal["up", "down", "starting", "reloading", "failed", "stopped"]
-# (replica, full-weights checkpoint or None, an event that cancels the start) -> its server, started
-StartServer = Callable[[int, "str | None", threading.Event], VLLMServer]
+
+class Refused(EngineError):
+    """A replica answered an administrative call with an error status: it is alive, and did not take it."""
 
 
-@dataclass
-class Replica:
-    """One vLLM server: started by artrl (`server`), or one at a url it does not own."""
-
-    index: int
-    base_url: str
-    api_key: str | None = None
-    server: VLLMServer | None = None
-    state: State = "up"
-    adapters: list[str] = field(default_factory=list)  # loaded here, oldest first
-    restarts: int = 0
-    health_failures: int = 0
-    down_reason: str | None = None  # why it went down last
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # held while its server changes
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def name(self) -> str:
-        return f"vLLM replica {self.index} ({self.base_url})"
-
-
-class ReplicaSet:
+class ReplicaSet(Supervisor):
     """The replicas, their supervisor, and what they must serve (`target`, `adapter_paths`, `weights`)."""
 
     def __init__(
@@ -72,6 +52,7 @@ class ReplicaSet:
         self.weights: str | None = None  # full fine-tuning: the checkpoint the servers run
         self._start = start  # None: servers artrl does not own (it cannot restart them)
         self._on_restart = on_restart or (lambda index: None)
+        self.hold_restarts = threading.Event()  # set while the replicas sleep for training
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,53 +113,79 @@ class ReplicaSet:
         except httpx.HTTPError as exc:
             raise EngineError(f"{replica.name()}: {path} failed: {type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
-            raise EngineError(
-                f"{replica.name()}: {path} answered {response.status_code}: {response.text[:2000]}"
-            )
+            raise Refused(f"{replica.name()}: {path} answered {response.status_code}: {response.text[:2000]}")
 
     def load_into(self, replica: Replica, name: str) -> None:
         """Load adapter `name` into `replica` (in place: a server may hold the name from an earlier run), then
-        unload its adapters beyond the window."""
+        unload its adapters beyond the window. Not counted if the replica went down or got a new server
+        meanwhile (its `life` changed)."""
         body = {"lora_name": name, "lora_path": self.adapter_paths[name], "load_inplace": True}
-        self.admin(replica, "/v1/load_lora_adapter", body)
-        if name in replica.adapters:
-            replica.adapters.remove(name)
-        replica.adapters.append(name)
-        while len(replica.adapters) > self.config.lora_window:
-            old = replica.adapters.pop(0)
-            try:
-                self.admin(replica, "/v1/unload_lora_adapter", {"lora_name": old})
-            except EngineError as exc:  # a leftover adapter costs memory, not correctness
-                log.warning("could not unload adapter %s: %s", old, exc)
+        with replica.lock:
+            life = replica.life
+            self.admin(replica, "/v1/load_lora_adapter", body)
+            if replica.life != life:
+                log.info("%s changed while loading %s: the supervisor loads it again", replica.name(), name)
+                return
+            replica.adapters.append(name)  # before the older entry goes: never absent meanwhile
+            if replica.adapters.count(name) > 1:
+                replica.adapters.remove(name)
+            while len(replica.adapters) > self.config.lora_window:
+                old = replica.adapters.pop(0)
+                try:
+                    self.admin(replica, "/v1/unload_lora_adapter", {"lora_name": old})
+                except EngineError as exc:  # a leftover adapter costs memory, not correctness
+                    log.warning("could not unload adapter %s: %s", old, exc)
+
+    def lost(self, replica: Replica, name: str) -> None:
+        """`replica` answered 404 for adapter `name` (its list was stale): it gets no request for it until the
+        supervisor loads it again. A rebinding, not under replica.lock: the event loop calls this, and must
+        not wait for a restart."""
+        replica.adapters = [a for a in replica.adapters if a != name]
+        self.suspect(replica.index)
+
+    async def _each(
+        self, call: Callable[[Replica], None], replicas: list[Replica], what: str, refusals_ok: bool
+    ) -> list[tuple[Replica, BaseException]]:
+        """`call` on `replicas` (in threads, concurrently); returns the failures tolerated. A replica that
+        failed is probed (in threads, concurrently): still up, its error is raised; down, it is left to the
+        supervisor. With `refusals_ok`, a replica that answered with an error status is alive and tolerated
+        (the supervisor tries again)."""
+        results = await asyncio.gather(
+            *(asyncio.to_thread(call, r) for r in replicas), return_exceptions=True
+        )
+        failed = [(r, e) for r, e in zip(replicas, results, strict=True) if isinstance(e, BaseException)]
+        unanswered = [(r, e) for r, e in failed if not (refusals_ok and isinstance(e, Refused))]
+        up = await asyncio.gather(*(asyncio.to_thread(self.still_up, r) for r, _ in unanswered))
+        for (_, error), still_up in zip(unanswered, up, strict=True):
+            if still_up:
+                raise error
+        for replica, error in failed:
+            log.warning("%s did not take %s (the supervisor takes over): %s", replica.name(), what, error)
+        return failed
 
     async def load_everywhere(self, name: str, path: str) -> None:
-        """Load an adapter into every replica that is up, concurrently. A replica that fails it and is no
-        longer up is left to the supervisor (which loads the current adapter when it returns); a live replica
-        refusing it, or none taking it, is an error."""
+        """Load an adapter into every replica that is up, concurrently (see the module's rules); one that
+        refused it or went down is loaded by the supervisor later. No replica taking it is an error."""
         self.adapter_paths[name] = path
         up = [r for r in self.replicas if r.state == "up"]
-        results = await asyncio.gather(
-            *(asyncio.to_thread(self.load_into, r, name) for r in up), return_exceptions=True
-        )
-        errors = [(r, e) for r, e in zip(up, results, strict=True) if isinstance(e, BaseException)]
-        for replica, error in errors:
-            if self._still_up(replica):
-                raise error
-            log.warning(
-                "%s went down while loading %s: the supervisor loads it when it is back", replica.name(), name
-            )
+        failed = await self._each(lambda r: self.load_into(r, name), up, f"adapter {name}", refusals_ok=True)
         if not any(name in r.adapters for r in self.replicas):
+            why = "".join(f" {e}." for _, e in failed)
             raise EngineError(
-                f"adapter {name} could not be loaded into any replica. {self.unavailable(name)}"
+                f"adapter {name} could not be loaded into any replica.{why} {self.unavailable(name)}"
             )
 
     async def broadcast(self, path: str) -> None:
-        """The same administrative call to every replica that is up (sleep, wake_up)."""
+        """The same administrative call to every replica that is up (sleep, wake_up); one that is down is
+        skipped. Replicas up but none taking it is an error."""
         up = [r for r in self.replicas if r.state == "up"]
-        await asyncio.gather(*(asyncio.to_thread(self.admin, r, path) for r in up))
+        failed = await self._each(lambda r: self.admin(r, path), up, path, refusals_ok=False)
+        if up and len(failed) == len(up):
+            raise EngineError(f"no vLLM replica took {path}:" + "".join(f" {e}." for _, e in failed))
 
     async def reload(self, checkpoint: str) -> None:
-        """Full fine-tuning: every replica restarts on `checkpoint` (concurrently)."""
+        """Full fine-tuning: every replica restarts on `checkpoint` (concurrently). One that does not come up
+        is left to the supervisor; none coming up is an error."""
         if self._start is None:
             raise EngineError(
                 "full fine-tuning with a vLLM server artrl did not start (VLLMConfig.url) cannot reload the "
@@ -190,123 +197,11 @@ class ReplicaSet:
             with replica.lock:
                 replica.state = "reloading"
                 try:
-                    self._replace_server(replica)
+                    self.replace_server(replica)
                 except Exception as exc:  # the supervisor tries again
                     replica.state, replica.down_reason = "down", f"its restart on {checkpoint} failed: {exc}"
-                    raise
+                    log.warning("%s: %s", replica.name(), replica.down_reason)
 
         await asyncio.gather(*(asyncio.to_thread(restart, r) for r in self.replicas if r.state != "failed"))
-
-    def _still_up(self, replica: Replica) -> bool:
-        if replica.state != "up" or (replica.server is not None and not replica.server.alive):
-            return False
-        return self._healthy(replica)
-
-    def _healthy(self, replica: Replica) -> bool:
-        try:
-            with httpx.Client(timeout=self.config.connect_timeout_s) as http:
-                return http.get(f"{replica.base_url}/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    # ------------------------------------------------------------------ supervision
-    def supervise(self) -> None:
-        self._thread = threading.Thread(target=self._watch, name="artrl-vllm-supervisor", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._closed.is_set():
-            self._wake.wait(self.config.health_check_interval_s)
-            self._wake.clear()
-            for replica in self.replicas:
-                if self._closed.is_set():
-                    return
-                try:
-                    self._check(replica)
-                except Exception:  # the supervisor itself must go on
-                    log.exception("checking %s failed", replica.name())
-
-    def _check(self, replica: Replica) -> None:
-        if replica.state == "up":
-            if replica.server is not None and not replica.server.alive:
-                self._down(replica, replica.server.describe_exit())
-            elif not self._healthy(replica):
-                replica.health_failures += 1
-                if replica.health_failures >= self.config.health_failures_before_restart:
-                    self._down(replica, f"no answer to /health {replica.health_failures} times in a row")
-            else:
-                replica.health_failures = 0
-                if self.target != self.base_name and self.target not in replica.adapters:
-                    self.load_into(replica, self.target)  # it came back while a step was published
-        if replica.state == "down":
-            if self._start is None:  # not ours: back when it answers again
-                if self._healthy(replica):
-                    self._bring_up(replica)
-            elif replica.restarts >= self.config.max_restarts:
-                replica.state = "failed"
-                log.error(
-                    "%s stays down after %d restarts: %s",
-                    replica.name(),
-                    replica.restarts,
-                    replica.down_reason,
-                )
-            else:
-                replica.state = "starting"
-                self._restarts = [t for t in self._restarts if t.is_alive()]
-                self._restarts.append(threading.Thread(target=self._restart, args=(replica,), daemon=True))
-                self._restarts[-1].start()
-
-    def _down(self, replica: Replica, reason: str) -> None:
-        log.warning("%s is down: %s", replica.name(), reason[:2000])
-        replica.state, replica.down_reason, replica.adapters = "down", reason, []
-        replica.health_failures = 0
-        self._on_restart(replica.index)
-
-    def _restart(self, replica: Replica) -> None:
-        with replica.lock:
-            if self._closed.is_set() or replica.state != "starting":
-                return
-            replica.restarts += 1
-            log.warning("restarting %s (restart %d)", replica.name(), replica.restarts)
-            try:
-                self._replace_server(replica)
-            except Exception as exc:
-                replica.state, replica.down_reason = "down", f"its restart failed: {exc}"
-
-    def _replace_server(self, replica: Replica) -> None:
-        """Stop the replica's server, start a new one on the current weights, load the adapter, mark it up
-        (the caller holds replica.lock and has taken it out of "up")."""
-        assert self._start is not None
-        replica.adapters = []
-        if replica.server is not None:
-            replica.server.stop()
-        server = self._start(replica.index, self.weights, self._closed)
-        replica.server, replica.base_url, replica.api_key = server, server.base_url, server.api_key
-        if self._closed.is_set():
-            server.stop()
-            return
-        self._bring_up(replica)
-
-    def _bring_up(self, replica: Replica) -> None:
-        self._on_restart(replica.index)
-        if self.target != self.base_name:
-            self.load_into(replica, self.target)
-        replica.health_failures, replica.state = 0, "up"
-        log.info("%s is up", replica.name())
-
-    def close(self) -> None:
-        """Stop supervising and stop every server artrl started (concurrently)."""
-        self._closed.set()
-        self._wake.set()
-        for thread in [self._thread, *self._restarts]:  # a start in progress stops at its next poll
-            if thread is not None:
-                thread.join(timeout=self.config.connect_timeout_s + 5)
-        stoppers = []
-        for replica in self.replicas:
-            replica.state = "stopped"
-            if replica.server is not None:
-                stoppers.append(threading.Thread(target=replica.server.stop))
-                stoppers[-1].start()
-        for thread in stoppers:
-            with contextlib.suppress(RuntimeError):
-                thread.join()
+        if not any(r.state == "up" for r in self.replicas):
+            raise EngineError(f"no vLLM replica came up on {checkpoint}: {self.unavailable(self.base_name)}")

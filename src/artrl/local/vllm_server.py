@@ -106,7 +106,8 @@ def replica_placement(
     """Where replica `index` runs when several share a machine and `env` (the user's) does not say: on CPU,
     its own cores for vLLM's OpenMP threads ('a,b|c,d': one list per tensor-parallel rank; 'nobind' when
     there are fewer cores than ranks: vLLM's automatic binding would put every replica on the same cores);
-    on GPUs, its own `tensor_parallel` devices among `visible_gpus` (CUDA_VISIBLE_DEVICES; None = all)."""
+    on GPUs, its own `tensor_parallel` devices among `visible_gpus` (CUDA_VISIBLE_DEVICES, or every device;
+    None = not known), a ValueError when there are fewer than the replicas need."""
     if replicas == 1:
         return {}
     if on_cpu:
@@ -120,6 +121,12 @@ def replica_placement(
         return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists)}
     if "CUDA_VISIBLE_DEVICES" in env:
         return {}
+    if visible_gpus is not None and len(visible_gpus) < replicas * tensor_parallel:
+        raise ValueError(
+            f"{replicas} replicas of tensor_parallel_size {tensor_parallel} need {replicas * tensor_parallel} "
+            f"GPUs, but {len(visible_gpus)} are visible ({','.join(visible_gpus) or 'none'}): use fewer "
+            "replicas, or say where each runs (VLLMConfig.replica_env's CUDA_VISIBLE_DEVICES)"
+        )
     devices = visible_gpus or [str(i) for i in range(replicas * tensor_parallel)]
     mine = devices[index * tensor_parallel : (index + 1) * tensor_parallel]
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if len(mine) == tensor_parallel else {}

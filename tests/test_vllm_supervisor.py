@@ -1,0 +1,370 @@
+"""The replica set's supervisor and administration (vllm_replicas.py) over fake vLLM servers on local ports:
+restarts, adapter loads, sleep/wake and full-weights reloads, with replicas that die, refuse or are busy."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import itertools
+import json
+import threading
+import time
+
+import pytest
+
+from artrl.config import VLLMConfig
+from artrl.local.engine import EngineError
+from artrl.local.engine_vllm import VLLMEngine
+from artrl.local.sampling import SamplingParams
+from artrl.local.vllm_replicas import Replica
+
+
+class FakeVLLM:
+    """A stand-in vLLM server on a local port. /health answers `health_status` after `health_delay` s;
+    administrative POSTs are recorded in `loads` and answer `load_status` after `load_delay` s (or the
+    connection is dropped: `drop_loads`); /v1/completions streams `tokens` tokens, one every `token_gap_s`
+    s, for a model in `models` (None: any; else 404; a loaded adapter joins it). With `key`, every path needs
+    it. `alive` plays its process."""
+
+    def __init__(self, key: str | None = None) -> None:
+        self.health_status, self.health_delay = 200, 0.0
+        self.load_status, self.load_delay, self.drop_loads = 200, 0.0, False
+        self.tokens, self.token_gap_s, self.models = 3, 0.0, None
+        self.key, self.alive, self.stopped, self.loads = key, True, False, []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def allowed(self) -> bool:
+                if fake.key is None or self.headers.get("Authorization") == f"Bearer {fake.key}":
+                    return True
+                self.send_response(401)
+                self.end_headers()
+                return False
+
+            def do_GET(self) -> None:
+                if self.allowed():
+                    time.sleep(fake.health_delay)
+                    self.send_response(fake.health_status)
+                    self.end_headers()
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else {}
+                if not self.allowed():
+                    return
+                if self.path == "/v1/completions":
+                    return self.complete(body["model"])
+                fake.loads.append((self.path, body.get("lora_name")))
+                time.sleep(fake.load_delay)
+                if fake.drop_loads:
+                    self.close_connection = True
+                    return
+                if fake.models is not None and fake.load_status == 200 and body.get("lora_name"):
+                    fake.models.add(body["lora_name"])
+                self.send_response(fake.load_status)
+                self.end_headers()
+
+            def complete(self, model: str) -> None:
+                if fake.models is not None and model not in fake.models:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in range(fake.tokens):
+                    last = i == fake.tokens - 1
+                    logprobs = {"token_logprobs": [-0.5], "top_logprobs": [None]}
+                    choice = {"index": 0, "token_ids": [10 + i], "logprobs": logprobs}
+                    chunk = {"choices": [choice | {"finish_reason": "stop" if last else None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    time.sleep(fake.token_gap_s)
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.base_url, self.api_key, self.log_path = (
+            f"http://127.0.0.1:{self.http.server_port}",
+            "k",
+            "fake.log",
+        )
+
+    def describe_exit(self) -> str:
+        return "the fake server exited"
+
+    def stop(self) -> None:
+        self.alive, self.stopped = False, True
+        self.http.shutdown()
+        self.http.server_close()
+
+
+async def until(condition, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+FAST = {"health_check_interval_s": 0.05, "connect_timeout_s": 2, "request_timeout_s": 5}
+SLOW = {"health_check_interval_s": 60, "connect_timeout_s": 2, "request_timeout_s": 5}  # checks on demand
+
+
+def served(fakes: list[FakeVLLM], config: VLLMConfig, start=None) -> VLLMEngine:
+    """An engine over `fakes`: servers artrl started (with `start`), else servers at urls."""
+    owned = start is not None
+    replicas = [Replica(i, f.base_url, f.api_key, f if owned else None) for i, f in enumerate(fakes)]
+    return VLLMEngine(replicas, "m", "m", 2048, config, start)
+
+
+async def generate(engine: VLLMEngine) -> list[int]:
+    (stream,) = engine.generate([1, 2], SamplingParams(max_tokens=50), n=1)
+    return [t.token_id async for t in stream]
+
+
+async def test_the_supervisor_restarts_a_replica_and_loads_the_adapter_before_it_serves():
+    first = [FakeVLLM(), FakeVLLM()]
+    started: list[FakeVLLM] = []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append(FakeVLLM())
+        return started[-1]
+
+    config = VLLMConfig(health_failures_before_restart=2, max_restarts=1, **FAST)
+    replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(first)]
+    engine = VLLMEngine(replicas, "m", "m", 2048, config, start)
+    await engine.load_adapter(1, "/ckpt/0001")
+    assert [s.loads for s in first] == [[("/v1/load_lora_adapter", "m@1")]] * 2
+    first[0].health_status = 503  # alive, but not answering: restarted after 2 failed checks
+    await until(lambda: engine.replicas[0].restarts == 1 and engine.replicas[0].state == "up")
+    assert first[0].stopped and started[0].loads == [("/v1/load_lora_adapter", "m@1")]
+    assert engine.replicas[0].server is started[0] and engine.replicas[0].base_url == started[0].base_url
+    assert engine.replicas.eligible("m@1") == [0, 1]
+    first[1].alive = False  # its process exited; restarted at once
+    await until(lambda: engine.replicas[1].restarts == 1 and engine.replicas[1].state == "up")
+    assert engine.replicas[1].adapters == ["m@1"]
+    started[0].alive = False  # beyond max_restarts: it stays down, the other serves
+    await until(lambda: engine.replicas[0].state == "failed")
+    assert engine.replicas.eligible("m@1") == [1] and len(started) == 2
+    await engine.close()
+    assert all(s.stopped for s in started)
+
+
+async def test_a_server_artrl_did_not_start_is_used_again_once_it_answers():
+    fake = FakeVLLM()
+    engine = VLLMEngine([Replica(0, fake.base_url, "k")], "m", "m", 2048, VLLMConfig(**FAST))
+    await engine.load_adapter(3, "/ckpt/0003")
+    fake.health_status = 503
+    await until(lambda: engine.replicas[0].state == "down")
+    assert engine.replicas.eligible("m@3") == [] and not fake.stopped  # not ours to stop or restart
+    fake.loads.clear()
+    fake.health_status = 200
+    await until(lambda: engine.replicas[0].state == "up")
+    assert fake.loads == [("/v1/load_lora_adapter", "m@3")] and engine.replicas[0].restarts == 0
+    await engine.close()
+    fake.stop()
+
+
+def test_the_tensor_parallel_size_reaches_the_server_command(tmp_path):
+    """A stand-in interpreter that exits at once: the start fails, quoting the log and its command line."""
+    from artrl.local.vllm_server import VLLMServer, VLLMStartError
+
+    config = VLLMConfig(python="/bin/true", tensor_parallel_size=2)
+    with pytest.raises(VLLMStartError, match="--tensor-parallel-size 2"):
+        VLLMServer.start(str(tmp_path), "m", tmp_path / "vllm.log", config, max_model_len=64)
+    with pytest.raises(VLLMStartError) as failure:
+        VLLMServer.start(
+            str(tmp_path), "m", tmp_path / "vllm.log", VLLMConfig(python="/bin/true"), max_model_len=64
+        )
+    assert "tensor-parallel" not in str(failure.value).splitlines()[-1]  # one device: vLLM's default, unsaid
+
+
+async def test_sleeping_and_full_weight_reloads_apply_to_every_replica():
+    first = [FakeVLLM(), FakeVLLM()]
+    started: list[tuple[int, str | None]] = []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append((index, weights))
+        return FakeVLLM()
+
+    config = VLLMConfig(sleep_while_training=True, **FAST)
+    replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(first)]
+    engine = VLLMEngine(replicas, "m", "m", 2048, config, start)
+    async with engine.training():
+        assert [s.loads for s in first] == [[("/sleep?level=1&mode=wait", None)]] * 2
+    assert all(s.loads[-1] == ("/wake_up", None) for s in first)
+    await engine.publish(1, "/ckpt/0001", adapter=False)  # full fine-tuning: every replica restarts on it
+    assert sorted(started) == [(0, "/ckpt/0001"), (1, "/ckpt/0001")] and all(s.stopped for s in first)
+    assert [r.state for r in engine.replicas.replicas] == [
+        "up",
+        "up",
+    ] and engine.replicas.weights == "/ckpt/0001"
+    await engine.close()
+
+
+# ---------------------------------------------------------------- replicas that die, refuse, or are busy
+async def test_a_replica_that_died_unnoticed_does_not_fail_a_training_step():
+    fakes = [FakeVLLM(), FakeVLLM()]
+    engine = served(fakes, VLLMConfig(sleep_while_training=True, **SLOW))
+    fakes[1].stop()  # died; the supervisor has not noticed yet
+    async with engine.training():
+        pass
+    await engine.publish(1, "/ckpt/0001", adapter=True)
+    assert engine.target == "m@1" and engine.replicas.eligible("m@1") == [0]
+    fakes[0].stop()  # no replica takes the call: that is an error
+    with pytest.raises(EngineError, match="no vLLM replica"):
+        await engine.sleep()
+    await engine.close()
+
+
+async def test_a_full_weights_reload_goes_on_when_one_replica_fails_to_restart():
+    first = [FakeVLLM(), FakeVLLM()]
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        if index == 1:
+            raise RuntimeError("CUDA out of memory")
+        return FakeVLLM()
+
+    engine = served(first, VLLMConfig(**SLOW), start)
+    await engine.publish(1, "/ckpt/0001", adapter=False)  # one replica came up: the step is served
+    assert [r.state for r in engine.replicas.replicas] == ["up", "down"]
+    assert "CUDA out of memory" in engine.replicas[1].down_reason
+    await engine.close()
+
+
+async def test_no_replica_is_restarted_while_the_others_sleep_for_training():
+    first, started = [FakeVLLM(), FakeVLLM()], []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append(FakeVLLM())
+        return started[-1]
+
+    engine = served(first, VLLMConfig(sleep_while_training=True, **FAST), start)
+    async with engine.training():
+        first[1].alive = False
+        await until(lambda: engine.replicas[1].state == "down")
+        await asyncio.sleep(0.5)
+        assert started == []  # it would take GPU memory from the trainer
+    await until(lambda: engine.replicas[1].state == "up" and len(started) == 1)
+    await engine.close()
+
+
+async def test_an_adapter_load_does_not_block_the_loop_and_a_refusal_is_not_a_death():
+    fakes = [FakeVLLM() for _ in range(3)]
+    for fake in fakes[1:]:  # the connection breaks; /health then answers 503, after 1 s
+        fake.drop_loads, fake.health_delay, fake.health_status = True, 1.0, 503
+    engine = served(fakes, VLLMConfig(**SLOW))
+    ticks: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(ticker())
+    began = time.monotonic()
+    await engine.load_adapter(1, "/ckpt/0001")
+    took = time.monotonic() - began
+    ticks.append(time.monotonic())
+    task.cancel()
+    assert max(b - a for a, b in itertools.pairwise(ticks)) < 0.5  # the probes ran off the loop ...
+    assert took < 1.8  # ... concurrently
+    assert engine.replicas.eligible("m@1") == [0]
+    await engine.close()
+    # a replica that answers the load with an error is alive but lacks the adapter: it gets no request for
+    # it, and the supervisor loads it again
+    fakes = [FakeVLLM(), FakeVLLM()]
+    fakes[1].load_status = 500
+    engine = served(fakes, VLLMConfig(**FAST))
+    await engine.load_adapter(1, "/ckpt/0001")
+    assert engine.replicas.eligible("m@1") == [0] and engine.replicas[1].state == "up"
+    fakes[1].load_status = 200
+    await until(lambda: engine.replicas.eligible("m@1") == [0, 1])
+    for fake in fakes:
+        fake.load_status = 400
+    with pytest.raises(EngineError, match="400"):  # no replica took it: the refusal, quoted
+        await engine.load_adapter(2, "/ckpt/0002")
+    await engine.close()
+
+
+async def test_health_checks_send_the_key_and_count_only_5xx_or_no_answer():
+    fake = FakeVLLM(key="k")
+    engine = served([fake], VLLMConfig(health_failures_before_restart=1, **FAST))
+    fake.health_status = 404  # answered (e.g. a proxy without /health): the server is there
+    await asyncio.sleep(0.5)
+    assert engine.replicas[0].state == "up"
+    fake.health_status = 503
+    await until(lambda: engine.replicas[0].state == "down")
+    assert "503" in engine.replicas[0].down_reason
+    await engine.close()
+
+
+async def test_a_busy_server_slow_to_answer_health_is_not_taken_down_while_it_streams():
+    fake = FakeVLLM()
+    fake.health_delay, fake.tokens, fake.token_gap_s = 0.5, 30, 0.05  # a 1.5 s stream; /health times out
+    config = VLLMConfig(
+        health_failures_before_restart=2,
+        health_check_interval_s=0.05,
+        connect_timeout_s=0.2,
+        request_timeout_s=10,
+    )
+    engine = served([fake], config)
+    assert len(await generate(engine)) == 30
+    assert engine.replicas[0].state == "up"  # tokens kept coming: busy, not dead
+    await until(lambda: engine.replicas[0].state == "down")  # no tokens, no answer: now it counts
+    assert "Timeout" in engine.replicas[0].down_reason
+    await engine.close()
+
+
+async def test_a_replica_that_lost_an_adapter_is_skipped_and_reloaded():
+    fakes = [FakeVLLM(), FakeVLLM()]
+    engine = served(fakes, VLLMConfig(**SLOW))
+    await engine.load_adapter(1, "/ckpt/0001")
+    fakes[0].models = {"m"}  # it lost the adapter (e.g. restarted behind our back): a 404 for it
+    assert await generate(engine) == [10, 11, 12]  # answered by replica 1
+    await until(lambda: engine.replicas.eligible("m@1") == [0, 1])  # the supervisor loaded it again
+    assert fakes[0].loads[-1] == ("/v1/load_lora_adapter", "m@1") and "m@1" in fakes[0].models
+    await engine.close()
+
+
+async def test_an_adapter_loaded_into_a_server_that_was_replaced_meanwhile_is_not_counted():
+    first, started = [FakeVLLM(), FakeVLLM()], []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append(FakeVLLM())
+        return started[-1]
+
+    first[0].load_delay = 1.5  # the restart (about 0.5 s) ends before this load answers
+    engine = served(first, VLLMConfig(**FAST), start)
+    loading = asyncio.create_task(engine.load_adapter(1, "/ckpt/0001"))
+    await until(lambda: first[0].loads)
+    first[0].alive = False  # its process exits while the old server is loading the adapter
+    await loading
+    # the new server gets the adapter: the old server's load is not taken for it
+    await until(lambda: started and started[0].loads == [("/v1/load_lora_adapter", "m@1")])
+    await until(lambda: engine.replicas.eligible("m@1") == [0, 1])
+    await engine.close()
+
+
+async def test_max_restarts_counts_restarts_in_a_row_without_serving():
+    first, started = FakeVLLM(), []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append(FakeVLLM())
+        return started[-1]
+
+    engine = served([first], VLLMConfig(max_restarts=1, **FAST), start)
+    first.alive = False
+    await until(lambda: engine.replicas[0].state == "up" and len(started) == 1)
+    assert await generate(engine) == [10, 11, 12]  # it serves again: its restarts so far are forgiven
+    await until(lambda: engine.replicas[0].restarts_in_a_row == 0)
+    started[0].alive = False
+    await until(lambda: engine.replicas[0].state == "up" and len(started) == 2)
+    started[1].alive = False  # died again without serving: beyond max_restarts
+    await until(lambda: engine.replicas[0].state == "failed")
+    assert engine.replicas[0].restarts == 2 and len(started) == 2
+    await engine.close()
