@@ -13,8 +13,10 @@ number, e.g. `1,3`):
   4. 7B QLoRA, ckpt;
   5. 1.5B bf16 LoRA, vLLM sleep: rollouts from a vLLM server on the same GPU (40% of its memory), asleep
      while the trainer trains (`VLLMConfig(sleep_while_training=True)`); skipped where vLLM is not
-     installed.
-Asynchronous rollouts (issue 17) are not in artrl yet, so not in the table.
+     installed;
+  6. 1.5B bf16 LoRA, async: setting 1 with asynchronous rollouts (`artrl.rollouts_ahead(ahead=1)`,
+     `TrainConfig(max_staleness=1)`): the next step's rollouts are gathered while this one trains; compare
+     its step s with setting 1's.
 
 Each setting builds a model folder offline (the tokenizer and chat template of `artrl.build_tiny_model`,
 random weights of the shape saved in bf16; sampled ids may fall outside the small vocabulary, which is
@@ -24,7 +26,8 @@ random rewards), then one `model.train` call. The first `--warmup` step(s) are n
 medians of the measured steps:
   - rollout tok/s: completion tokens / wall seconds of the concurrent rollouts (gateway + engine);
   - train s: `metrics["train_seconds"]` (forward, loss, backward, clipping, optimizer step); trainable tok/s
-    = completion tokens / train s; step s = rollouts + the whole `model.train` call (checkpoint included);
+    = completion tokens / train s; step s = from one step's end to the next (its rollouts, or what is left of
+    them when they ran ahead, + the whole `model.train` call, checkpoint included);
   - MFU = 6 x parameters x processed (prompt + completion) tokens / train s / peak dense bf16 FLOP/s (the 6N
     rule counts weight gradients LoRA does not compute: it understates LoRA's achieved FLOP/s by about a
     third; the peak comes from the GPU name or `--peak-tflops`);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -105,6 +106,7 @@ class Setting:
     quantization: str = "none"  # LoadConfig.quantization
     gradient_checkpointing: bool = False
     engine: str = "hf"  # "vllm": a vLLM server on the same GPU, asleep while the trainer trains
+    ahead: int = 0  # > 0: asynchronous rollouts (artrl.rollouts_ahead): the next step's gathered meanwhile
 
 
 SETTINGS = [
@@ -113,6 +115,7 @@ SETTINGS = [
     Setting("7B bf16 LoRA, ckpt", "7B", gradient_checkpointing=True),
     Setting("7B QLoRA, ckpt", "7B", quantization="4bit", gradient_checkpointing=True),
     Setting("1.5B bf16 LoRA, vLLM sleep", "1.5B", engine="vllm"),
+    Setting("1.5B bf16 LoRA, async", "1.5B", ahead=1),
 ]
 
 
@@ -164,7 +167,9 @@ async def run(setting: Setting, args: argparse.Namespace, device: str) -> dict[s
                 torch.cuda.reset_peak_memory_stats()
             client = model.openai_client()
             config = artrl.TrainConfig(
-                learning_rate=args.learning_rate, gradient_checkpointing=setting.gradient_checkpointing
+                learning_rate=args.learning_rate,
+                gradient_checkpointing=setting.gradient_checkpointing,
+                max_staleness=setting.ahead,
             )
             steps: list[dict[str, Any]] = []
             reseeds = 0
@@ -184,66 +189,76 @@ async def run(setting: Setting, args: argparse.Namespace, device: str) -> dict[s
                     reseeds += 1
                 return response.choices[0]
 
+            async def train_step(
+                step: int, convs: list[Any], choices: list[Any], rollout_s: float, ended: float
+            ) -> dict[str, Any]:
+                completion = [len(c.model_extra["token_ids"]) for c in choices]
+                prompt = [len(c.model_extra["prompt_token_ids"]) for c in choices]
+                groups = [
+                    artrl.TrajectoryGroup(
+                        artrl.Trajectory(messages_and_choices=[*convs[g], c], reward=rng.random())
+                        for c in choices[g * args.group_size : (g + 1) * args.group_size]
+                    )
+                    for g in range(n_groups)
+                ]
+                t1 = time.perf_counter()
+                result = await model.train(groups, config=config)
+                call_s = time.perf_counter() - t1
+                m = result.metrics
+                train_s = float(m["train_seconds"])
+                processed = sum(prompt) + sum(completion)
+                row = {
+                    "rollout_s": rollout_s,
+                    "rollout_tokens": sum(completion),
+                    "rollout_tok_s": sum(completion) / rollout_s,
+                    "train_s": train_s,
+                    "train_call_s": call_s,
+                    "trainable_tokens": int(m["trainable_tokens"]),
+                    "processed_tokens": processed,
+                    "rows": int(m["rows"]),
+                    "trainable_tok_s": int(m["trainable_tokens"]) / train_s,
+                    "processed_tok_s": processed / train_s,
+                    "loss": float(m.get("loss", float("nan"))),
+                    "grad_norm": float(m.get("grad_norm", float("nan"))),
+                    "mismatch": float(m.get("logprob_mismatch_mean", float("nan"))),
+                }
+                log(
+                    f"step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if step < args.warmup else ''}: "
+                    f"rollouts {row['rollout_tokens']} tok in {rollout_s:.2f} s = "
+                    f"{row['rollout_tok_s']:,.0f} tok/s; train {train_s:.3f} s "
+                    f"({row['rows']} rows, {row['trainable_tokens']} trainable / {processed} processed "
+                    f"tokens = {row['processed_tok_s']:,.0f} tok/s), train call {call_s:.2f} s, "
+                    f"loss {row['loss']:.3g}, grad norm {row['grad_norm']:.3g}"
+                )
+                row["step_wall_s"] = time.perf_counter() - ended
+                return row
+
+            n_groups = args.agents // args.group_size
+
+            async def gather_step(step: int) -> tuple[list[Any], list[Any], float]:
+                convs = [
+                    [{"role": "user", "content": f"Task {step}-{g}: find the secret number, then report it."}]
+                    for g in range(n_groups)
+                ]
+                t0 = time.perf_counter()
+                choices = await asyncio.gather(
+                    *(
+                        complete(convs[g], 100_003 * step + 101 * g + k + 1)
+                        for g in range(n_groups)
+                        for k in range(args.group_size)
+                    )
+                )
+                return convs, list(choices), time.perf_counter() - t0
+
+            total = args.warmup + args.steps
             try:
-                n_groups = args.agents // args.group_size
-                for step in range(args.warmup + args.steps):
-                    convs = [
-                        [
-                            {
-                                "role": "user",
-                                "content": f"Task {step}-{g}: find the secret number, then report it.",
-                            }
-                        ]
-                        for g in range(n_groups)
-                    ]
-                    t0 = time.perf_counter()
-                    choices = await asyncio.gather(
-                        *(
-                            complete(convs[g], 100_003 * step + 101 * g + k + 1)
-                            for g in range(n_groups)
-                            for k in range(args.group_size)
-                        )
-                    )
-                    rollout_s = time.perf_counter() - t0
-                    completion = [len(c.model_extra["token_ids"]) for c in choices]
-                    prompt = [len(c.model_extra["prompt_token_ids"]) for c in choices]
-                    groups = [
-                        artrl.TrajectoryGroup(
-                            artrl.Trajectory(messages_and_choices=[*convs[g], c], reward=rng.random())
-                            for c in choices[g * args.group_size : (g + 1) * args.group_size]
-                        )
-                        for g in range(n_groups)
-                    ]
-                    t1 = time.perf_counter()
-                    result = await model.train(groups, config=config)
-                    call_s = time.perf_counter() - t1
-                    m = result.metrics
-                    train_s = float(m["train_seconds"])
-                    processed = sum(prompt) + sum(completion)
-                    row = {
-                        "rollout_s": rollout_s,
-                        "rollout_tokens": sum(completion),
-                        "rollout_tok_s": sum(completion) / rollout_s,
-                        "train_s": train_s,
-                        "train_call_s": call_s,
-                        "trainable_tokens": int(m["trainable_tokens"]),
-                        "processed_tokens": processed,
-                        "rows": int(m["rows"]),
-                        "trainable_tok_s": int(m["trainable_tokens"]) / train_s,
-                        "processed_tok_s": processed / train_s,
-                        "loss": float(m.get("loss", float("nan"))),
-                        "grad_norm": float(m.get("grad_norm", float("nan"))),
-                        "mismatch": float(m.get("logprob_mismatch_mean", float("nan"))),
-                    }
-                    steps.append(row)
-                    log(
-                        f"step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if step < args.warmup else ''}: "
-                        f"rollouts {row['rollout_tokens']} tok in {rollout_s:.2f} s = "
-                        f"{row['rollout_tok_s']:,.0f} tok/s; train {train_s:.3f} s "
-                        f"({row['rows']} rows, {row['trainable_tokens']} trainable / {processed} processed "
-                        f"tokens = {row['processed_tok_s']:,.0f} tok/s), train call {call_s:.2f} s, "
-                        f"loss {row['loss']:.3g}, grad norm {row['grad_norm']:.3g}"
-                    )
+                ended = time.perf_counter()  # the previous step's end: a step's wall time runs from there
+                async with contextlib.aclosing(
+                    artrl.rollouts_ahead(gather_step, total, setting.ahead)
+                ) as ahead:
+                    async for step, (convs, choices, rollout_s) in ahead:
+                        steps.append(await train_step(step, convs, choices, rollout_s, ended))
+                        ended = time.perf_counter()
             finally:
                 await client.close()
             peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
@@ -277,7 +292,7 @@ def measure(setting: Setting, args: argparse.Namespace, device: str, peak: float
         "rollout_tok_s": med("rollout_tok_s"),
         "train_s": med("train_s"),
         "train_call_s": med("train_call_s"),
-        "step_s": statistics.median(s["rollout_s"] + s["train_call_s"] for s in measured),
+        "step_s": med("step_wall_s"),  # previous step's end to this one's (rollouts overlap it when async)
         "trainable_tok_s": med("trainable_tok_s"),
         "processed_tok_s": med("processed_tok_s"),
         "model_tflops_6n": flops_per_s / 1e12,

@@ -25,8 +25,8 @@ def test_gpu_check_dry_run_prints_one_row_per_setting(tmp_path):
     import json
 
     results = {r["setting"]: r for r in json.loads(out.read_text())["results"]}
-    assert len(results) == 5
-    for name in ("1.5B bf16 LoRA", "7B bf16 LoRA, ckpt"):  # ran: figures, and a mismatch monitor reading
+    assert len(results) == 6
+    for name in ("1.5B bf16 LoRA", "7B bf16 LoRA, ckpt", "1.5B bf16 LoRA, async"):  # ran: figures, a mismatch
         row = results[name]
         assert row["rollout_tok_s"] > 0 and row["train_s"] > 0 and row["mismatch"] >= 0, row
     for name in ("1.5B QLoRA", "7B QLoRA, ckpt"):  # refused where 4-bit cannot run, saying why
