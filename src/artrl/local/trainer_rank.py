@@ -163,24 +163,32 @@ class Rank:
         return {"metrics": self.trainer.sft(steps, config), "weights": self._trained_weights()}
 
     def _trained_weights(self) -> bytes | None:
-        """Every trained parameter whole (a collective: all ranks), as safetensors bytes on rank 0."""
+        """Every trained parameter whole (a collective: all ranks), as safetensors bytes on rank 0. Only rank 0
+        keeps the gathered tensors (with full fine-tuning, a whole copy of the model in CPU memory)."""
         from safetensors.torch import save
 
         state = {}
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-                state[name] = whole.detach().to("cpu").contiguous()
+                whole = p.full_tensor() if hasattr(p, "full_tensor") else p  # (every rank joins the gather)
+                if self.spec.rank == 0:
+                    state[name] = whole.detach().to("cpu").contiguous()
+                del whole
         return save(state) if self.spec.rank == 0 else None
 
-    def save_optimizer(self, path: str) -> None:
-        """The full (unsharded) optimizer state, written by rank 0 in one process's format."""
+    def save_optimizer(self, path: str) -> str | None:
+        """The full (unsharded) optimizer state, written by rank 0 in one process's format. A file it cannot
+        write (a full disk) is the reply, not a failure: nothing is half done, and the save can be retried."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_optimizer_state_dict(self.root, self.trainer.optimizer, options=options)
         if self.spec.rank == 0:
-            torch.save(optimizer_state_by_index(state, self.names), path)
+            try:
+                torch.save(optimizer_state_by_index(state, self.names), path)
+            except (OSError, RuntimeError) as exc:  # (torch.save reports some write errors as RuntimeError)
+                return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _load_optimizer(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

@@ -17,6 +17,7 @@ import datetime
 import os
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from artrl.config import EngineConfig, LoraConfig, SFTConfig, TrainConfig, TrainerConfig
 from artrl.local.batch import TrainingBatch
+from artrl.local.loading import pick_device
 from artrl.local.rows import Row
 from artrl.local.trainer import check_train_config
 from artrl.local.trainer_rank import RankSpec, apply_trainable_state
@@ -35,6 +37,41 @@ LOG_TAIL_LINES = 30
 
 class TrainerRanksError(RuntimeError):
     """A trainer rank died, failed or did not answer in time; every rank has been stopped."""
+
+
+FSDP2_FEATURES = (
+    "fully_shard",
+    "FSDPModule.set_gradient_divide_factor",
+    "FSDPModule.set_force_sum_reduction_for_comms",
+)
+
+
+def missing_fsdp2_features(fsdp: Any) -> list[str]:
+    """What the ranks use of `torch.distributed.fsdp` (the module, or a stand-in) and it lacks."""
+    missing = []
+    for feature in FSDP2_FEATURES:
+        owner: Any = fsdp
+        for part in feature.split("."):
+            owner = getattr(owner, part, None)
+        if owner is None:
+            missing.append(feature)
+    return missing
+
+
+def check_fsdp2(fsdp: Any = None) -> None:
+    """A clear error here, instead of an AttributeError in every rank, when this torch is too old."""
+    if fsdp is None:
+        try:
+            import torch.distributed.fsdp as fsdp
+        except ImportError:
+            fsdp = None
+    missing = missing_fsdp2_features(fsdp) if fsdp is not None else list(FSDP2_FEATURES)
+    if missing:
+        raise RuntimeError(
+            f"TrainerConfig(ranks > 1) needs FSDP2's public API in torch.distributed.fsdp ({', '.join(missing)} "
+            f"missing in torch {torch.__version__}): install a newer torch (2.13 has them all), or train in "
+            "one process with TrainerConfig(ranks=1)"
+        )
 
 
 def rank_devices(config: TrainerConfig, engine_device: torch.device) -> list[str]:
@@ -59,17 +96,19 @@ class TrainerRanks:
     ) -> None:
         from safetensors.torch import save
 
+        check_fsdp2()
         self.model, self.config, self.has_adapter = model, config, lora is not None
+        self.lock = threading.Lock()  # one request/replies exchange at a time on the pipes
         self.procs: list[subprocess.Popen] = []
         self.inboxes: list[Connection] = []
         self.outboxes: list[Connection] = []
         self.logs = [log_dir / "trainer-ranks" / f"rank{r}.log" for r in range(config.ranks)]
         self.broken: str | None = None
         self._update: bytes | None = None
-        device = next(model.parameters()).device
-        devices = rank_devices(config, device)
+        # (the engine's device, not the model's: next to vLLM the main process's copy is on the CPU)
+        devices = rank_devices(config, pick_device(engine))
         backend = config.backend if config.backend != "auto" else "nccl" if "cuda" in devices[0] else "gloo"
-        self.store = torch.distributed.TCPStore(  # the rendezvous: a free port, held by this process
+        self.store: Any = torch.distributed.TCPStore(  # the rendezvous: a free port, held by this process
             "127.0.0.1", 0, config.ranks, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=config.start_timeout_s),
         )  # fmt: skip
@@ -82,10 +121,13 @@ class TrainerRanks:
             adapter = save(trained)
         threads = max(1, (os.cpu_count() or 1) // config.ranks) if backend == "gloo" else 0
         threads = threads or torch.get_num_threads()
+        deadline = time.monotonic() + config.start_timeout_s
         try:
             for rank in range(config.ranks):
                 self._start(rank, threads)
-                self.outboxes[rank].send(
+                self._send_spec(
+                    rank,
+                    deadline,
                     RankSpec(
                         rank=rank,
                         ranks=config.ranks,
@@ -103,9 +145,9 @@ class TrainerRanks:
                         pad_id=pad_id,
                         collective_timeout_s=config.collective_timeout_s,
                         threads=threads,
-                    )
+                    ),
                 )
-            self._replies("start", config.start_timeout_s)
+            self._replies("start", max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.close()
             raise
@@ -113,22 +155,48 @@ class TrainerRanks:
     def _start(self, rank: int, threads: int) -> None:
         to_rank, from_main = os.pipe()[::-1]  # (write end, read end)
         from_rank_read, to_main = os.pipe()
-        self.logs[rank].parent.mkdir(parents=True, exist_ok=True)
-        with open(self.logs[rank], "ab") as log:
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "artrl.local.trainer_rank", str(from_main), str(to_main)],
-                    pass_fds=(from_main, to_main),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        try:
+            self.logs[rank].parent.mkdir(parents=True, exist_ok=True)
+            with open(self.logs[rank], "ab") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "artrl.local.trainer_rank", str(from_main), str(to_main)],
+                        pass_fds=(from_main, to_main),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                    )
                 )
-            )
+        except BaseException:
+            for fd in (to_rank, from_main, from_rank_read, to_main):
+                os.close(fd)
+            raise
         os.close(from_main)
         os.close(to_main)
         self.outboxes.append(Connection(to_rank, readable=False))
         self.inboxes.append(Connection(from_rank_read, writable=False))
+
+    def _send_spec(self, rank: int, deadline: float, spec: RankSpec) -> None:
+        """The spec (the adapter in it can be more than a pipe holds) in a thread, so a rank that never reads
+        it cannot block the start past its deadline."""
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self.outboxes[rank].send(spec)
+            except BaseException as exc:  # (a rank gone: its pipe is closed)
+                failed.append(exc)
+
+        sender = threading.Thread(target=send, name=f"trainer-rank-{rank}-spec", daemon=True)
+        sender.start()
+        while sender.is_alive() and time.monotonic() < deadline:
+            sender.join(0.5)
+            if sender.is_alive() and self.procs[rank].poll() is not None:
+                break
+        if sender.is_alive() or failed:
+            # (closing its pipe, in _fail, ends a send still blocked)
+            self._fail(f"trainer rank {rank} did not read its start settings ({self._exit(rank)})", rank)
 
     # ---------------------------------------------------------------- the Trainer interface
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
@@ -160,20 +228,27 @@ class TrainerRanks:
             apply_trainable_state(self.model, load(update))
 
     def save(self, directory: str) -> None:
-        """Weights (PEFT adapter or full model) by this process, the optimizer state by rank 0."""
+        """Weights (PEFT adapter or full model) by this process, the optimizer state by rank 0. A file rank 0
+        cannot write (a full disk) is an OSError here and the ranks go on: the save can be tried again."""
         self.model.save_pretrained(directory)
-        self._ask("save_optimizer", (f"{directory}/optimizer.pt",))
+        path = f"{directory}/optimizer.pt"
+        error = self._ask("save_optimizer", (path,))[0]
+        if error is not None:
+            raise OSError(f"trainer rank 0 could not write {path}: {error}")
 
     # ---------------------------------------------------------------- messages and failures
     def _ask(self, command: str, args: tuple[Any, ...]) -> list[Any]:
-        if self.broken is not None:
-            raise TrainerRanksError(self.broken)
-        for rank, outbox in enumerate(self.outboxes):
-            try:
-                outbox.send((command, args))
-            except OSError:  # its pipe is closed: the rank is gone
-                self._fail(f"trainer rank {rank} is gone ({self._exit(rank)}) before {command}", rank)
-        return self._replies(command, self.config.call_timeout_s)
+        """Every rank's reply to `command`. One call at a time: a second caller (e.g. after a cancelled
+        `train` whose thread still runs) waits for the first call's replies, never takes them."""
+        with self.lock:
+            if self.broken is not None:
+                raise TrainerRanksError(self.broken)
+            for rank, outbox in enumerate(self.outboxes):
+                try:
+                    outbox.send((command, args))
+                except OSError:  # its pipe is closed: the rank is gone
+                    self._fail(f"trainer rank {rank} is gone ({self._exit(rank)}) before {command}", rank)
+            return self._replies(command, self.config.call_timeout_s)
 
     def _replies(self, what: str, timeout_s: float) -> list[Any]:
         deadline = time.monotonic() + timeout_s
@@ -200,7 +275,10 @@ class TrainerRanks:
         return [replies[r] for r in range(len(self.procs))]
 
     def _exit(self, rank: int) -> str:
-        code = self.procs[rank].wait(5) if self.procs[rank].poll() is None else self.procs[rank].returncode
+        try:
+            code = self.procs[rank].wait(5)
+        except subprocess.TimeoutExpired:  # (then _fail stops it)
+            return "still running"
         return f"exit code {code}"
 
     def _fail(self, message: str, rank: int) -> None:
@@ -228,6 +306,7 @@ class TrainerRanks:
         for connection in [*self.inboxes, *self.outboxes]:
             connection.close()
         self.inboxes, self.outboxes = [], []
+        self.store = None  # (the rendezvous port is free again)
         self.broken = self.broken or "the trainer ranks are closed"
 
 
