@@ -21,7 +21,7 @@ from artrl.config import LoraConfig, SFTConfig, TrainConfig
 from artrl.local.batch import TrainingBatch
 from artrl.local.loss import LossTerms, policy_loss, sft_loss
 from artrl.local.pack import MicroBatch, collate, pack
-from artrl.local.rows import Row
+from artrl.local.rows import NO_LOGPROB, Row
 
 
 def attach_adapter(model: Any, lora: LoraConfig | None) -> Any:
@@ -204,6 +204,13 @@ def check_train_config(config: TrainConfig, has_adapter: bool) -> None:
         raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
 
 
+def idle_row(rows: list[Row]) -> Row:
+    """Two real tokens, the second a target (one logprob: token_logprobs computes targets only), for an
+    idle pass (`Trainer._idle_pass`); its loss is multiplied by 0 there."""
+    ids = (min(rows, key=lambda r: len(r.ids)).ids * 2)[:2]  # (a row of one token: twice)
+    return Row(ids=ids, mask=[0, 1], logprobs=[NO_LOGPROB, NO_LOGPROB], weight=0.0)
+
+
 class Trainer:
     """The training loops over `model`. One process by default; a trainer rank (trainer_rank.py) passes
     `logprobs` (the forward through its FSDP root), `micro_batches` (its share of each step's rows, [] = a
@@ -251,7 +258,7 @@ class Trainer:
                 normaliser = _normaliser(rows)  # (of all the slice's rows: every rank sees them all)
                 for micro in self.micro_batches(rows, config.max_tokens_per_microbatch):
                     if not micro:
-                        self._idle_pass(rows[0], config.logprob_chunk_size, config.kl_coef > 0)
+                        self._idle_pass(rows, config.logprob_chunk_size, config.kl_coef > 0)
                         continue
                     mb = collate([rows[i] for i in micro], self.device, self.pad_id)
                     lp, entropy = self.logprobs(mb, config.logprob_chunk_size, True)  # (B, T-1) each
@@ -285,7 +292,7 @@ class Trainer:
                 step_loss = 0.0
                 for micro in self.micro_batches(rows, config.max_tokens_per_microbatch):
                     if not micro:
-                        self._idle_pass(rows[0], config.logprob_chunk_size, False)
+                        self._idle_pass(rows, config.logprob_chunk_size, False)
                         continue
                     mb = collate([rows[i] for i in micro], self.device, self.pad_id)
                     lp, entropy = self.logprobs(mb, config.logprob_chunk_size, True)  # (B, T-1) each
@@ -331,10 +338,11 @@ class Trainer:
         with torch.no_grad(), self.model.disable_adapter():
             return self.logprobs(mb, config.logprob_chunk_size, False)[0]
 
-    def _idle_pass(self, row: Row, chunk: int | None, with_reference: bool) -> None:
+    def _idle_pass(self, rows: list[Row], chunk: int | None, with_reference: bool) -> None:
         """The forward and backward passes of a micro-batch that trains nothing (a zero loss): a rank with
-        fewer micro-batches than another still joins each of their FSDP collectives, in the same order."""
-        mb = collate([row], self.device, self.pad_id)
+        fewer micro-batches than another still joins each of their FSDP collectives, in the same order. Its
+        row is the least work there is: the first two tokens of the shortest row (one predicted token)."""
+        mb = collate([idle_row(rows)], self.device, self.pad_id)
         lp, _ = self.logprobs(mb, chunk, False)  # (1, T-1)
         if with_reference:
             with torch.no_grad(), self.model.disable_adapter():
