@@ -97,7 +97,9 @@ class LocalService:
             )
         with LOADING:  # one model built at a time in this process (see LOADING)
             model, tokenizer = load_model_and_tokenizer(
-                base_model, engine_config, str(resume_from) if full_weights else None
+                base_model,
+                main_copy_config(engine_config, trainer_config, trainable),
+                str(resume_from) if full_weights else None,
             )
             trainer: Trainer | TrainerRanks | None = None
             if trainable:
@@ -141,9 +143,11 @@ class LocalService:
                 served_name, model, tokenizer, engine, engine_config, gateway_config, chat_format, step
             )
         except BaseException:
-            asyncio.run(engine.close())  # a vLLM server started for it must not outlive it
-            if trainer is not None:
-                trainer.close()
+            try:
+                asyncio.run(engine.close())  # a vLLM server started for it must not outlive it
+            finally:
+                if trainer is not None:
+                    trainer.close()
             raise
         service.trainer = trainer
         return service
@@ -192,7 +196,7 @@ class LocalService:
         async with self.training():
             if isinstance(trainer, Trainer):
                 return await self.run_exclusive(lambda: call(trainer))
-            metrics = await asyncio.to_thread(call, trainer)
+            metrics = await to_thread_to_the_end(call, trainer)
             await self.run_exclusive(trainer.load_update)
             return metrics
 
@@ -228,10 +232,42 @@ class LocalService:
         self.names.step = step  # `name@step` answers from now on (not when the engine kept the old weights)
 
     async def close(self) -> None:
-        self.server.stop()
-        await self.engine.close()
-        if self.trainer is not None:
-            await asyncio.to_thread(self.trainer.close)
+        """The gateway, the engine, the trainer: each stopped even when one before it fails to stop."""
+        try:
+            self.server.stop()
+        finally:
+            try:
+                await self.engine.close()
+            finally:
+                if self.trainer is not None:
+                    await asyncio.to_thread(self.trainer.close)
+
+
+async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
+    """`asyncio.to_thread(fn, *args)`, except that a cancelled caller still waits for the thread to end
+    before it is cancelled: what the caller holds (the backend's train lock) stays held while `fn` runs."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
+        raise
+
+
+def main_copy_config(
+    engine_config: EngineConfig, trainer_config: TrainerConfig, trainable: bool
+) -> EngineConfig:
+    """Where this process loads its copy of the model. Next to vLLM with trainer ranks (ranks > 1), the copy
+    never runs: it receives the trained weights and writes the checkpoints vLLM loads, so it stays on the CPU
+    (in the dtype the ranks train in), leaving the GPUs to vLLM and the ranks. Otherwise: `engine_config`."""
+    device = pick_device(engine_config)
+    if engine_config.kind != "vllm" or trainer_config.ranks == 1 or not trainable or device.type == "cpu":
+        return engine_config
+    dtype = str(pick_dtype(engine_config, device)).removeprefix("torch.")
+    load = engine_config.load.model_copy(update={"attn_implementation": None})  # (kernels of the GPU)
+    return engine_config.model_copy(update={"device": "cpu", "dtype": dtype, "load": load})
 
 
 @dataclass(frozen=True)
