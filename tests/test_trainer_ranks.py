@@ -5,9 +5,12 @@ The failure tests and the demo are `slow` (CI runs them)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -21,9 +24,15 @@ from artrl.local.batch import TrainingBatch
 from artrl.local.loading import load_model_and_tokenizer
 from artrl.local.row_shards import rank_micro_batches, shard_rows
 from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter, load_adapter
+from artrl.local.trainer import Trainer, attach_adapter, idle_row, load_adapter, token_logprobs
 from artrl.local.trainer_rank import optimizer_state_by_index, optimizer_state_by_name
-from artrl.local.trainer_ranks import TrainerRanks, TrainerRanksError
+from artrl.local.trainer_ranks import (
+    TrainerRanks,
+    TrainerRanksError,
+    check_fsdp2,
+    missing_fsdp2_features,
+    rank_devices,
+)
 
 LR = 1e-2
 MICRO_TOKENS = 64  # every row a micro-batch of its own: 3 on one rank, 2 on the other (an idle pass)
@@ -311,3 +320,173 @@ def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path):
     assert after["success"] - before["success"] >= 0.25, summary["val_points"]
     assert after["reward"] - before["reward"] >= 0.15
     assert len(list((tmp_path / "artrl" / "maze").glob("maze-seed0-*/trainer-ranks/rank1.log"))) == 1
+
+
+def test_an_idle_pass_is_the_least_work_there_is(tiny_model_dir):
+    """A rank with fewer micro-batches than another runs idle passes: on two tokens of the step's shortest
+    row (one predicted token), not on a row of the step that may be its longest."""
+    model = served_model(tiny_model_dir, artrl.LoraConfig())
+    shapes: list[tuple[int, ...]] = []
+
+    def logprobs(mb, chunk, with_entropy):
+        shapes.append(tuple(mb.ids.shape))
+        return token_logprobs(model, mb, chunk, with_entropy)
+
+    rows = sorted(step_rows(1), key=lambda r: -len(r.ids))  # the longest first
+    trainer = Trainer(model, pad_id=0, logprobs=logprobs, micro_batches=lambda rows, _: [[0], [1], [], []])
+    trainer.step(TrainingBatch(rows=rows), artrl.TrainConfig(max_tokens_per_microbatch=MICRO_TOKENS))
+    assert shapes == [(1, len(rows[0].ids)), (1, len(rows[1].ids)), (1, 2), (1, 2)]
+    assert idle_row(rows).ids == min(rows, key=lambda r: len(r.ids)).ids[:2]
+    shapes.clear()
+    trainer.sft([rows], artrl.SFTConfig(max_tokens_per_microbatch=MICRO_TOKENS))
+    assert shapes[2:] == [(1, 2), (1, 2)]
+
+
+def test_a_torch_without_the_fsdp2_api_the_ranks_use_is_a_clear_error():
+    from types import SimpleNamespace
+
+    check_fsdp2()  # the torch installed has it all
+    old = SimpleNamespace(
+        fully_shard=lambda module: module,
+        FSDPModule=SimpleNamespace(set_gradient_divide_factor=lambda factor: None),
+    )
+    assert missing_fsdp2_features(old) == ["FSDPModule.set_force_sum_reduction_for_comms"]
+    with pytest.raises(RuntimeError, match=r"set_force_sum_reduction_for_comms missing in torch .*ranks=1"):
+        check_fsdp2(old)
+
+
+def test_next_to_vllm_the_main_process_copy_of_the_model_stays_on_the_cpu():
+    from artrl.local.service import main_copy_config
+
+    vllm = EngineConfig(kind="vllm", device="cuda:0")
+    copy = main_copy_config(vllm, TrainerConfig(ranks=2), trainable=True)
+    assert (copy.device, copy.dtype) == ("cpu", "bfloat16")  # (the dtype the ranks train in on the GPU)
+    assert copy.vllm == vllm.vllm and copy.kind == "vllm"
+    for engine, ranks, trainable in (
+        (vllm, 1, True),
+        (vllm, 2, False),
+        (EngineConfig(device="cuda:0"), 2, True),
+    ):
+        assert main_copy_config(engine, TrainerConfig(ranks=ranks), trainable) is engine
+    cpu = EngineConfig(kind="vllm", device="cpu")
+    assert main_copy_config(cpu, TrainerConfig(ranks=2), True) is cpu
+    # the ranks go where the engine is, wherever the main process's copy is
+    assert rank_devices(TrainerConfig(ranks=2), torch.device("cuda")) == ["cuda:0", "cuda:1"]
+
+
+class FailingEngine:
+    """An engine whose close fails, around a training step that waits for `release`."""
+
+    def __init__(self) -> None:
+        self.trained = False
+
+    @contextlib.asynccontextmanager
+    async def training(self):
+        yield
+        self.trained = True
+
+    async def run_exclusive(self, fn):
+        return fn()
+
+    async def close(self) -> None:
+        raise RuntimeError("the engine would not stop")
+
+
+class SlowTrainer:
+    """Trainer ranks (the interface) whose step blocks until `release` is set."""
+
+    has_adapter = True
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.closed = self.loaded = False
+
+    def step(self, batch, config) -> dict[str, float]:
+        self.started.set()
+        assert self.release.wait(30)
+        return {"loss": 1.0}
+
+    def load_update(self) -> None:
+        self.loaded = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class StoppedServer:
+    def stop(self) -> None:
+        pass
+
+
+def fake_service(engine, trainer):
+    from artrl.local.service import LocalService
+
+    return LocalService(None, None, None, engine, StoppedServer(), trainer=trainer)  # type: ignore[arg-type]
+
+
+async def test_a_cancelled_train_step_holds_on_until_its_thread_ends():
+    """The backend's train lock must not be released while the step's thread still talks to the ranks."""
+    engine, trainer = FailingEngine(), SlowTrainer()
+    service = fake_service(engine, trainer)
+    task = asyncio.ensure_future(service.train_step(None, None))
+    assert await asyncio.to_thread(trainer.started.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.2)
+    task.cancel()  # (again: still waits)
+    await asyncio.sleep(0.2)
+    assert not task.done() and not engine.trained
+    trainer.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not trainer.loaded  # (cancelled: the ranks' next update carries every trained weight)
+    assert await service.train_step(None, None) == {"loss": 1.0} and trainer.loaded
+
+
+async def test_a_service_whose_engine_fails_to_close_still_closes_its_trainer():
+    trainer = SlowTrainer()
+    with pytest.raises(RuntimeError, match="would not stop"):
+        await fake_service(FailingEngine(), trainer).close()
+    assert trainer.closed
+
+
+@pytest.mark.slow  # (starts 2 rank processes: 10-30 s on 2 cores)
+def test_calls_from_two_threads_take_turns_and_a_failed_optimizer_write_can_be_retried(
+    tiny_model_dir, tmp_path
+):
+    lora = artrl.LoraConfig()
+    config = artrl.TrainConfig(learning_rate=LR, max_tokens_per_microbatch=MICRO_TOKENS)
+    ranks = two_ranks(tiny_model_dir, served_model(tiny_model_dir, lora), lora, tmp_path)
+    try:
+        # a cancelled train's thread still runs the first step when the next call comes in
+        batches = [TrainingBatch(rows=step_rows(1) * 8), TrainingBatch(rows=step_rows(2))]
+        results: dict[int, object] = {}
+
+        def train(k: int) -> None:
+            try:
+                results[k] = ranks.step(batches[k], config)
+            except Exception as exc:  # (shown by the assertion below)
+                results[k] = exc
+
+        threads = [threading.Thread(target=train, args=(k,)) for k in range(2)]
+        threads[0].start()
+        time.sleep(0.3)
+        threads[1].start()
+        for thread in threads:
+            thread.join(120)
+        assert all(isinstance(results[k], dict) for k in range(2)), results
+        for batch in batches:  # each call got its own rows' logprobs
+            assert [len(lp) for lp in batch.trainer_logprobs] == [len(r.ids) for r in batch.rows]
+        # rank 0 cannot write optimizer.pt (as on a full disk): an OSError, and the ranks go on
+        out = tmp_path / "checkpoint"
+        out.mkdir()
+        (out / "optimizer.pt").mkdir()
+        with pytest.raises(OSError, match=r"trainer rank 0 could not write .*optimizer\.pt"):
+            ranks.save(str(out))
+        assert all(p.poll() is None for p in ranks.procs)
+        (out / "optimizer.pt").rmdir()  # space is free again: the retry writes the checkpoint
+        ranks.save(str(out))
+        assert torch.load(out / "optimizer.pt", weights_only=True)["state"]
+        assert ranks.step(TrainingBatch(rows=step_rows(3)), config)["optimizer_steps"] == 1
+    finally:
+        ranks.close()
+    assert ranks.store is None
