@@ -253,6 +253,8 @@ async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
         while not task.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:  # (retrieved: no "never retrieved" log)
+            log.warning("a cancelled training call failed afterwards: %s", task.exception())
         raise
 
 
