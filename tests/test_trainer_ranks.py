@@ -490,3 +490,45 @@ def test_calls_from_two_threads_take_turns_and_a_failed_optimizer_write_can_be_r
     finally:
         ranks.close()
     assert ranks.store is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_keeps_the_gathered_weights(rank):
+    """Every rank joins each parameter's gather (`full_tensor`, a collective); a rank other than 0 lets each
+    gathered tensor go before the next (with full fine-tuning: never a whole copy of the model)."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from artrl.local.trainer_rank import Rank
+
+    gathered: list[weakref.ref] = []
+    alive_at_each_gather: list[int] = []
+
+    def full_tensor(size: int):
+        def gather() -> torch.Tensor:
+            gc.collect()
+            alive_at_each_gather.append(sum(ref() is not None for ref in gathered))
+            whole = torch.ones(size)
+            gathered.append(weakref.ref(whole.untyped_storage()))  # (alive while any tensor uses it)
+            return whole
+
+        return gather
+
+    model = nn.Module()
+    for i in range(3):
+        param = nn.Parameter(torch.zeros(4))
+        param.full_tensor = full_tensor(8)  # (a stand-in for an FSDP2 DTensor shard)
+        model.register_parameter(f"w{i}", param)
+    fake = object.__new__(Rank)
+    fake.model = model
+    fake.spec = type("Spec", (), {"rank": rank})()
+    weights = fake._trained_weights()
+    assert len(alive_at_each_gather) == 3
+    if rank == 0:
+        from safetensors.torch import load
+
+        assert alive_at_each_gather == [0, 1, 2] and load(weights)["w2"].shape == (8,)
+    else:
+        assert alive_at_each_gather == [0, 0, 0] and weights is None
