@@ -58,7 +58,9 @@ def template_variables(chat_template: str) -> frozenset[str]:
     # `{% set enable_thinking = enable_thinking | default(false) %}` (Gemma 4): the caller's value, defaulted
     defaulted = set(re.findall(r"\{%-?\s*set\s+(\w+)\s*=\s*\1\s*\|\s*default\b", text))
     return frozenset(
-        n for n in found | defaulted if (n not in assigned or n in tested | defaulted) and n not in _TEMPLATE_GLOBALS
+        n
+        for n in found | defaulted
+        if (n not in assigned or n in tested | defaulted) and n not in _TEMPLATE_GLOBALS
     )
 
 
