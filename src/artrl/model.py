@@ -212,17 +212,8 @@ class TrainableModel(BaseModel):
         by `artrl.capture` blocks like `openai_client()`'s calls (`pip install anthropic`)."""
         import anthropic
 
-        from artrl.capturing import tag_request_async
-
-        options = self._client_options(kwargs)
+        options = self._with_capture_hook(self._client_options(kwargs), async_client=True)  # (same httpx)
         options["base_url"] = options["base_url"].removesuffix("/").removesuffix("/v1")
-        if "http_client" not in options:
-            transport = None
-            if self._backend is not None:
-                transport = self._backend.client_transport(self, sync=False)
-            extra = {} if transport is None else {"transport": transport}
-            hooks = {"request": [tag_request_async]}
-            options["http_client"] = anthropic.DefaultAsyncHttpxClient(event_hooks=hooks, **extra)
         return anthropic.AsyncAnthropic(**options)
 
     def _with_capture_hook(self, options: dict[str, Any], async_client: bool) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from artrl.config import GatewayConfig
 from artrl.local.engine import EngineError
-from artrl.local.gateway.dialects import Record, chat_choice, json_body, stream_error, text_of, typed
+from artrl.local.gateway.dialects import Record, chat_choice, json_body, stream_error, text_of, typed, usage
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.responses_items import ResponseEvents, output_items
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
@@ -292,12 +292,7 @@ class ResponsesDialect:
                     choice = chat_choice(serving, prepared, event)
                     record([choice])
                     self._keep(context, event.message)
-                    use = {
-                        "prompt_tokens": len(prepared.prompt.ids),
-                        "completion_tokens": len(event.tokens),
-                        "total_tokens": len(prepared.prompt.ids) + len(event.tokens),
-                    }
-                    final = self._response(context, events.output, choice, use)
+                    final = self._response(context, events.output, choice, usage(prepared, [event]))
                     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                     yield events.event(kind, response=final)
         except EngineError as exc:
