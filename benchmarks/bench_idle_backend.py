@@ -1,7 +1,8 @@
 """A second embedded engine in the same process, idle, slows the first: bench_rollouts' workload (b) (32 agents
 x 3 chat calls, `small` preset, bf16, through `model.openai_client()`) measured in one process run in three
-phases: alone; with a second LocalBackend registered but never used; after that second backend has served
-32 requests (then idle); and after it is closed again. A diagnosis, not a claim: see RESULTS.md's section.
+phases: alone; next to a second LocalBackend that has served 32 requests and sits idle with its engine thread
+kept alive (`engine_thread_idle_s` set very long: the engine before that setting); the same with the default
+setting (the idle thread ends, its OpenMP team with it); and after the second is closed.
 
     .venv/bin/python benchmarks/bench_idle_backend.py [--runs 3] [--out benchmarks/RESULTS.md]
 """
@@ -22,6 +23,8 @@ import bench_rollouts as br
 import harness
 
 SECTION_HEADING = "## A second, idle embedded engine in the process (bench_idle_backend.py)"
+KEPT = "second served 32 requests, idle, its engine thread kept (as before `engine_thread_idle_s`)"
+ENDED = "second served 32 requests, idle, its engine thread ended after `engine_thread_idle_s` (default 1 s)"
 
 
 async def phases(runs: int) -> dict[str, list[float]]:
@@ -45,13 +48,22 @@ async def phases(runs: int) -> dict[str, list[float]]:
                 ]
 
             await measure("alone")
-            other = artrl.LocalBackend(path=Path(tmp) / "b", engine=artrl.EngineConfig(dtype="bfloat16"))
-            second = artrl.TrainableModel(name="other", project="p", base_model=str(folder))
-            await second.register(other)
-            await measure("second registered, never used")
-            side = br.Endpoint(second.openai_client(), second.name, {"ignore_eos": True})
-            await br.run_sessions(side, br.Workload("b", "small", 32, 1, 8), "side")
-            await measure("second served 32 requests, idle")
+
+            async def served_then_idle(name: str, idle_s: float) -> artrl.LocalBackend:
+                engine = artrl.EngineConfig(dtype="bfloat16", engine_thread_idle_s=idle_s)
+                other = artrl.LocalBackend(path=Path(tmp) / name, engine=engine)
+                second = artrl.TrainableModel(name=name, project="p", base_model=str(folder))
+                await second.register(other)
+                side = br.Endpoint(second.openai_client(), second.name, {"ignore_eos": True})
+                await br.run_sessions(side, br.Workload("b", "small", 32, 1, 8), "side")
+                await asyncio.sleep(idle_s + 0.5 if idle_s < 60 else 1.5)
+                return other
+
+            other = await served_then_idle("kept", 1e6)
+            await measure(KEPT)
+            await other.close()
+            other = await served_then_idle("ended", artrl.EngineConfig().engine_thread_idle_s)
+            await measure(ENDED)
             await other.close()
             await measure("second closed")
     return out
@@ -80,13 +92,12 @@ def main() -> int:
         lines.append(f"| {phase} | {median:.0f} | {median / base:.2f}x | {runs} |")
     lines += [
         "",
-        "The second engine burns no CPU while idle (0 clock ticks on every thread over 3 s), its dtype and",
-        "`ONEDNN_PRIMITIVE_CACHE_CAPACITY` change nothing, and ending only its engine thread (backend, gateway and",
-        "model kept) restores the speed (708/782/691 tok/s in a separate run). What fits: once that thread has run",
-        "torch ops it owns an OpenMP team, libgomp manages more threads than CPUs and throttles every team's",
-        "spinning, so each small parallel region of a decode step waits for a futex wake-up",
-        "(`OMP_WAIT_POLICY=ACTIVE` makes it much worse: 392-422 tok/s). Fix to try: an engine thread that exits",
-        "when idle (restarted by the next request). bench_rollouts.py measures artrl with four other endpoints alive.",
+        "An idle engine burns no CPU (0 clock ticks on every thread over 3 s); its dtype and",
+        "`ONEDNN_PRIMITIVE_CACHE_CAPACITY` change nothing. Once its thread has run torch ops it owns an OpenMP team;",
+        "with more libgomp threads than CPUs every team's spin-waiting is throttled, so each small parallel region of",
+        "the busy engine's decode step waits for a futex wake-up (`OMP_WAIT_POLICY=ACTIVE` makes it worse: 392-422",
+        "tok/s). The fix (`EngineConfig.engine_thread_idle_s`, default 1 s): an engine thread with nothing to do ends,",
+        "and the next request or training step starts a new one.",
         "",
     ]
     return harness.publish("\n".join(lines), args.out, SECTION_HEADING)

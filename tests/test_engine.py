@@ -266,3 +266,31 @@ async def test_reused_prefixes_leave_no_gap_a_sliding_window_would_count():
         await engine.close()
     for prompt, got in zip(prompts, results, strict=True):
         assert greedy_by_full_forwards(model, prompt, len(got)) == got
+
+
+async def test_the_engine_thread_ends_when_idle_and_the_next_request_starts_another(hf_model):
+    """An idle engine thread ends (its OpenMP team with it: idle teams slow busy ones on a CPU) and the next
+    request or job starts a new one; sampling with a seed gives the same tokens across the restart."""
+    engine = HFEngine(hf_model, max_context=2048, config=EngineConfig(engine_thread_idle_s=0.05))
+    try:
+        seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+        first = await collect(engine, PROMPTS[1], seeded, n=2)
+        ended = engine._thread
+        for _ in range(200):
+            if engine._thread is None:
+                break
+            await asyncio.sleep(0.01)
+        assert engine._thread is None and ended is not None
+        await asyncio.to_thread(ended.join, 5)
+        assert not ended.is_alive()
+        assert await collect(engine, PROMPTS[1], seeded, n=2) == first  # a new thread
+        assert engine._thread is not None and engine._thread is not ended
+        assert await engine.run_exclusive(lambda: 42) == 42
+        # requests racing the thread's decision to end: none is left behind
+        for _ in range(20):
+            await asyncio.sleep(0.05)
+            got = await asyncio.wait_for(collect(engine, PROMPTS[0], seeded), 10)
+            assert len(got[0]) == 8
+    finally:
+        await engine.close()
+    assert engine._thread is None or not engine._thread.is_alive()

@@ -16,6 +16,7 @@ import inspect
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class HFEngine:
 
     def __init__(self, model, *, max_context: int, config: EngineConfig) -> None:
         self._idle_timeout_s = config.stream_idle_timeout_s
+        self._thread_idle_s = config.engine_thread_idle_s
         self.model = model
         self._max_context = max_context
         self._incoming: queue.SimpleQueue[Request | _Job | None] = queue.SimpleQueue()
@@ -64,8 +66,9 @@ class HFEngine:
             prefix_cache=self.prefix_cache,
             cache_arg=cache_arg,
         )
-        self._thread = threading.Thread(target=self._run, name="artrl-engine", daemon=True)
-        self._thread.start()
+        self._thread_lock = threading.Lock()  # guards starting the thread and its decision to end
+        self._thread: threading.Thread | None = None
+        self._wake()
 
     @property
     def max_context(self) -> int:
@@ -86,6 +89,7 @@ class HFEngine:
                 generator = torch.Generator(device=self._device).manual_seed((params.seed + i) % 2**64)
             sequences.append(RunningSequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
         self._incoming.put(Request(list(prompt_ids), sequences))
+        self._wake()
         return [s.stream for s in sequences]
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -94,6 +98,7 @@ class HFEngine:
             raise RuntimeError("engine is closed")
         job = _Job(fn, Future())
         self._incoming.put(job)
+        self._wake()
         return job.future
 
     async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
@@ -109,14 +114,36 @@ class HFEngine:
     async def close(self) -> None:
         self._closed = True
         self._incoming.put(None)
-        await asyncio.to_thread(self._thread.join, 30)
+        thread = self._wake()
+        await asyncio.to_thread(thread.join, 30)
+
+    def _wake(self) -> threading.Thread:
+        """The engine thread, started if none runs (after what was queued: it finds that in the queue)."""
+        with self._thread_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="artrl-engine", daemon=True)
+                self._thread.start()
+            return self._thread
+
+    def _end_if_idle(self) -> bool:
+        """Called when nothing arrived for `engine_thread_idle_s` and nothing runs: end this thread unless an
+        item slipped in meanwhile (a producer that queued it sees no thread and starts a new one)."""
+        with self._thread_lock:
+            if not self._incoming.empty() or self._steps.busy or self._jobs:
+                return False
+            self._thread = None
+            return True
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        idle_since = time.monotonic()
         while not self._closed:
             try:
                 steps = self._steps
-                self._collect_requests(block=not steps.batch.sequences)
+                if self._collect_requests(block=not steps.batch.sequences) or steps.busy:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since >= self._thread_idle_s and self._end_if_idle():
+                    return
                 self._run_jobs()
                 if steps.busy:
                     self._merge_lora()
@@ -165,15 +192,18 @@ class HFEngine:
                 except BaseException as exc:  # delivered to the caller
                     job.future.set_exception(exc)
 
-    def _collect_requests(self, block: bool) -> None:
+    def _collect_requests(self, block: bool) -> bool:
+        """Move what arrived to the pending requests and jobs (waiting a little when block); whether any."""
         try:
-            item = self._incoming.get(timeout=0.5) if block else self._incoming.get_nowait()
+            wait = min(0.5, self._thread_idle_s)
+            item = self._incoming.get(timeout=wait) if block else self._incoming.get_nowait()
         except queue.Empty:
-            return
+            return False
         while item is not None:
             (self._jobs if isinstance(item, _Job) else self._steps.pending).append(item)
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
-                return
+                return True
         self._closed = True
+        return True
