@@ -124,7 +124,9 @@ def test_ruler_judge_named_as_in_art():
     assert str(client.base_url) == "http://judge.test/v1/" and name == "j" and calls == {"temperature": 0.0}
     client, name, _ = judge_endpoint("openai/o3", {"api_base": "http://proxy.test/v1", "api_key": "k"})
     assert str(client.base_url) == "http://proxy.test/v1/" and name == "o3"
-    assert judge_endpoint("hosted_vllm/Qwen/Qwen3-32B", {"api_base": "http://x.test/v1"})[1] == "Qwen/Qwen3-32B"
+    assert (
+        judge_endpoint("hosted_vllm/Qwen/Qwen3-32B", {"api_base": "http://x.test/v1"})[1] == "Qwen/Qwen3-32B"
+    )
     assert judge_endpoint("Qwen/Qwen3-32B", {"api_base": "http://x.test/v1"})[1] == "Qwen/Qwen3-32B"
     with pytest.raises(ValueError, match="speaks the OpenAI API"):
         judge_endpoint("anthropic/claude-x", None)

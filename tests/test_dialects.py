@@ -198,13 +198,16 @@ async def test_messages_tool_turns_continue_and_train(served):
 
 async def test_messages_streaming(served):
     client = served.anthropic_client()
-    async with artrl.capture(served) as capture, client.messages.stream(
-        model=served.name,
-        messages=[{"role": "user", "content": "Add 3 and 4."}],
-        tools=ANTHROPIC_TOOLS,
-        max_tokens=64,
-        extra_body={"temperature": 0},
-    ) as stream:
+    async with (
+        artrl.capture(served) as capture,
+        client.messages.stream(
+            model=served.name,
+            messages=[{"role": "user", "content": "Add 3 and 4."}],
+            tools=ANTHROPIC_TOOLS,
+            max_tokens=64,
+            extra_body={"temperature": 0},
+        ) as stream,
+    ):
         kinds = [event.type async for event in stream]
         final = await stream.get_final_message()
     assert kinds[0] == "message_start" and "message_stop" in kinds

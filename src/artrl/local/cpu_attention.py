@@ -66,11 +66,14 @@ def _decode(query, key, value, mask, scale: float) -> torch.Tensor:
     kv_heads = key.shape[1]
     grouped = (query * scale).reshape(batch, kv_heads, heads // kv_heads, dim)  # (B, H_kv, G, D)
     # keys on the left: their (T, D) rows are read in place (a transposed, strided bf16 operand is copied first)
-    scores = torch.matmul(key, grouped.transpose(-1, -2)).float()  # (B, H_kv, T, G)
+    scores = torch.matmul(key, grouped.transpose(-1, -2)).float().transpose(-1, -2)  # (B, H_kv, G, T)
+    # (a copy that makes T the contiguous dimension, which softmax wants: the mask's, out of place)
     if mask is not None:
-        scores.masked_fill_(~mask.reshape(batch, 1, -1, 1), float("-inf"))
-    probs = torch.softmax(scores, dim=-2).to(value.dtype)  # (B, H_kv, T, G)
-    out = torch.matmul(probs.transpose(-1, -2), value)  # (B, H_kv, G, D)
+        scores = scores.masked_fill(~mask.reshape(batch, 1, 1, -1), float("-inf"))
+    else:
+        scores = scores.contiguous()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # (B, H_kv, G, T)
+    out = torch.matmul(probs, value)  # (B, H_kv, G, D)
     return out.reshape(batch, 1, heads, dim)
 
 

@@ -7,6 +7,7 @@ with their logprobs. It knows nothing about chat templates, tools or HTTP.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -46,12 +47,18 @@ class _End:
 
 
 class SequenceStream:
-    """The tokens of one sampled sequence, pushed by an engine thread, read by the event loop."""
+    """The tokens of one sampled sequence, pushed by an engine thread, read by the event loop.
+
+    Pushed items wait in a deque; the consumer's loop is woken once for whatever arrived since it last looked
+    (one wake-up per decode step, not per token: each wake-up is a self-pipe write and a task switch that
+    take the interpreter lock from the engine thread)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle_timeout_s: float | None = None) -> None:
         self._loop = loop
         self._idle_timeout_s = idle_timeout_s  # no token and no end for this long: an error, never a hang
-        self._queue: asyncio.Queue[TokenChoice | _End] = asyncio.Queue()
+        self._items: collections.deque[TokenChoice | _End] = collections.deque()
+        self._ready = asyncio.Event()  # (set and cleared on the loop only)
+        self._wake_scheduled = False
         self._aborted = threading.Event()
         self.finish_reason: FinishReason | None = None
 
@@ -63,10 +70,18 @@ class SequenceStream:
         self._deliver(_End(reason, error))
 
     def _deliver(self, item: TokenChoice | _End) -> None:
+        self._items.append(item)
+        if self._wake_scheduled:  # a wake-up on its way will find this item too
+            return
+        self._wake_scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
             self._aborted.set()
+
+    def _wake(self) -> None:  # (on the loop)
+        self._wake_scheduled = False  # before the consumer drains: a later push schedules another wake-up
+        self._ready.set()
 
     @property
     def aborted(self) -> bool:
@@ -79,20 +94,26 @@ class SequenceStream:
 
     async def __aiter__(self) -> AsyncIterator[TokenChoice]:
         while True:
+            while self._items:
+                item = self._items.popleft()
+                if isinstance(item, _End):
+                    self.finish_reason = item.reason
+                    if item.reason == "error":
+                        raise EngineError(item.error or "engine failure")
+                    return
+                yield item
+            self._ready.clear()
+            if self._items:  # pushed between the drain and the clear (its wake-up may have run already)
+                continue
             try:
-                item = await asyncio.wait_for(self._queue.get(), self._idle_timeout_s)
+                async with asyncio.timeout(self._idle_timeout_s):
+                    await self._ready.wait()
             except TimeoutError:
                 self._aborted.set()
                 self.finish_reason = "error"
                 raise EngineError(
                     f"the engine sent nothing for {self._idle_timeout_s:g} s (EngineConfig.stream_idle_timeout_s)"
                 ) from None
-            if isinstance(item, _End):
-                self.finish_reason = item.reason
-                if item.reason == "error":
-                    raise EngineError(item.error or "engine failure")
-                return
-            yield item
 
 
 class Engine(Protocol):

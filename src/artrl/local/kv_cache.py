@@ -2,9 +2,11 @@
 
 transformers' DynamicCache concatenates each new token's keys and values onto the whole cache, copying all
 of it at every decode step (O(T) bytes per token, O(T²) per sequence). Here each layer keeps a buffer with
-spare columns: a decode step writes its column in place and the model attends over a view of the filled part;
-the buffer grows by doubling, so a sequence's cache is copied O(log T) times instead of T times. Rows are
-left-padded to one shared timeline, as before (the attention mask hides the padding).
+spare columns and spare rows: a decode step writes its column in place and the model attends over a view of
+the filled part; the buffer grows by doubling, so a sequence's cache is copied O(log T) times instead of T
+times. Requests joining the batch are written into free rows and finished ones leave by moving the rows
+below them up, so admitting or dropping a sequence copies only what moves, not the whole batch. Rows are
+left-padded to one shared timeline (the attention mask hides the padding).
 """
 
 from __future__ import annotations
@@ -25,27 +27,31 @@ def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 class GrowingLayer(CacheLayerMixin):
-    """One layer's keys and values, (B, H, T, D) views of (B, H, capacity, D) buffers."""
+    """One layer's keys and values: (B, H, T, D) views of (B_cap, H, T_cap, D) buffers with room for more rows
+    and more columns. Rows join (a prefill's) and leave (finished sequences) in place: only the rows that
+    move are copied, and all of them only when the shared timeline must widen or the buffers grow. Every
+    column a row does not use (its left padding) holds zeros: masked out, they must stay finite, because an
+    attention probability of 0 times a NaN is a NaN."""
 
     is_sliding = False
     is_croppable = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        batch, heads, length, dim = keys.shape
-        capacity = length + max(MIN_SPARE, length)
-        self._keys = keys.new_empty((batch, heads, capacity, dim))
-        self._values = values.new_empty((batch, values.shape[1], capacity, values.shape[3]))
+        batch, _, length, _ = keys.shape
+        self._keys = _room(keys, batch, length + max(MIN_SPARE, length))
+        self._values = _room(values, batch, length + max(MIN_SPARE, length))
         self._keys[:, :, :length] = keys
         self._values[:, :, :length] = values
+        self.rows = batch
         self.length = length
         self.device = keys.device
         self.is_initialized = True
         self._view()
 
     def _view(self) -> None:
-        self.keys = self._keys[:, :, : self.length]  # (B, H, T, D)
-        self.values = self._values[:, :, : self.length]
+        self.keys = self._keys[: self.rows, :, : self.length]  # (B, H, T, D)
+        self.values = self._values[: self.rows, :, : self.length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never lazy: a layer is made from the keys and values of a prefill."""
@@ -56,20 +62,64 @@ class GrowingLayer(CacheLayerMixin):
         """Append (B, H, q, D) new states in place; return the keys and values up to them."""
         end = self.length + key_states.shape[2]
         if end > self._keys.shape[2]:
-            self._grow(end)
-        self._keys[:, :, self.length : end] = key_states
-        self._values[:, :, self.length : end] = value_states
+            self._reserve(self.rows, end)
+        self._keys[: self.rows, :, self.length : end] = key_states
+        self._values[: self.rows, :, self.length : end] = value_states
         self.length = end
         self._view()
         return self.keys, self.values
 
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed + MIN_SPARE, 2 * self._keys.shape[2])
-        keys = self._keys.new_empty((*self._keys.shape[:2], capacity, self._keys.shape[3]))
-        values = self._values.new_empty((*self._values.shape[:2], capacity, self._values.shape[3]))
-        keys[:, :, : self.length] = self._keys[:, :, : self.length]
-        values[:, :, : self.length] = self._values[:, :, : self.length]
-        self._keys, self._values = keys, values
+    def _reserve(self, rows: int, length: int, shift: int = 0) -> None:
+        """Buffers with room for `rows` rows and `length` columns (doubling); the rows held move `shift`
+        columns right (a wider timeline) on the way."""
+        capacity = self._keys.shape[:3:2]  # (B_cap, T_cap)
+        if rows <= capacity[0] and length <= capacity[1] and not shift:
+            return
+        b = capacity[0] if rows <= capacity[0] else max(rows, 2 * capacity[0])
+        t = capacity[1] if length <= capacity[1] else max(length + MIN_SPARE, 2 * capacity[1])
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old if (b, t) == capacity else _room(old, b, t)
+            if shift:  # (source and target overlap in place: through a copy)
+                moved = old[: self.rows, :, : self.length].clone()
+                new[: self.rows, :, :shift] = 0
+                new[: self.rows, :, shift : shift + self.length] = moved
+            elif new is not old:
+                new[: self.rows, :, : self.length] = old[: self.rows, :, : self.length]
+            setattr(self, name, new)
+        self.length += shift
+
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append rows (B', H, T', D) below the held ones, both left-padded to the longer timeline."""
+        added, _, length, _ = keys.shape
+        shift = max(0, length - self.length)
+        self._reserve(self.rows + added, max(self.length, length) + 1, shift)
+        rows = slice(self.rows, self.rows + added)
+        for buffer, states in ((self._keys, keys), (self._values, values)):
+            buffer[rows, :, : self.length - length] = 0
+            buffer[rows, :, self.length - length : self.length] = states
+        self.rows += added
+        self._view()
+
+    def keep_rows(self, kept: list[int], trim: int) -> None:
+        """Keep the rows `kept` (ascending), in that order, and drop the first `trim` columns (padding no kept
+        row needs). A kept row moves up only into a slot below it, so it is never overwritten before it moved."""
+        moved = [(slot, row) for slot, row in enumerate(kept) if slot != row]
+        if moved:
+            slots = torch.tensor([slot for slot, _ in moved], device=self._keys.device)
+            rows = torch.tensor([row for _, row in moved], device=self._keys.device)
+            for buffer in (self._keys, self._values):
+                buffer[: self.rows, :, : self.length].index_copy_(
+                    0, slots, buffer[: self.rows, :, : self.length].index_select(0, rows)
+                )
+        self.rows = len(kept)
+        if trim:
+            for buffer in (self._keys, self._values):
+                buffer[: self.rows, :, : self.length - trim] = buffer[
+                    : self.rows, :, trim : self.length
+                ].clone()
+            self.length -= trim
+        self._view()
 
     def truncate(self, length: int) -> None:
         """Forget columns from `length` on (a step that failed half-way wrote some layers and not others)."""
@@ -84,6 +134,11 @@ class GrowingLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+def _room(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A zeroed (rows, H, columns, D) buffer of like's dtype and device."""
+    return like.new_zeros((rows, like.shape[1], columns, like.shape[3]))
 
 
 class BatchCache:
@@ -122,24 +177,12 @@ class BatchCache:
             [v[row : row + 1, :, start:].clone() for v in self.value_states()],
         )
 
-    def merged(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> BatchCache:
-        """A cache with new rows (per-layer (B', H, T', D) states) under these, both left-padded to the longer
-        timeline."""
-        length = max(self.length, keys[0].shape[2])
-        return BatchCache.from_states(
-            [
-                torch.cat([left_pad(a, length, 2), left_pad(b, length, 2)])
-                for a, b in zip(self.key_states(), keys, strict=True)
-            ],
-            [
-                torch.cat([left_pad(a, length, 2), left_pad(b, length, 2)])
-                for a, b in zip(self.value_states(), values, strict=True)
-            ],
-        )
+    def add_rows(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """New rows (per-layer (B', H, T', D) states) under these, both left-padded to the longer timeline."""
+        for layer, k, v in zip(self.layers, keys, values, strict=True):
+            layer.add_rows(k, v)
 
-    def selected(self, rows: torch.Tensor, first_column: int) -> BatchCache:
-        """The cache of some rows (indices (B',)), from `first_column` on (padding no row needs any more)."""
-        return BatchCache.from_states(
-            [k.index_select(0, rows)[:, :, first_column:] for k in self.key_states()],
-            [v.index_select(0, rows)[:, :, first_column:] for v in self.value_states()],
-        )
+    def keep_rows(self, kept: list[int], trim: int) -> None:
+        """Only the rows `kept` (ascending indices), without the first `trim` columns (padding)."""
+        for layer in self.layers:
+            layer.keep_rows(kept, trim)

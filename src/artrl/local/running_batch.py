@@ -22,6 +22,8 @@ from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
 log = logging.getLogger(__name__)
 
+TRIM_COLUMNS = 64  # padding columns (that no running row needs) worth dropping from the batch's cache
+
 
 @dataclass
 class RunningSequence:
@@ -223,7 +225,7 @@ class RunningBatch:
             self.batch = _Batch(list(sequences), BatchCache.from_states(keys, values), mask)
             return
         length = max(batch.mask.shape[1], mask.shape[1])
-        batch.cache = batch.cache.merged(keys, values)
+        batch.cache.add_rows(keys, values)
         batch.mask = torch.cat([left_pad(batch.mask, length, 1), left_pad(mask, length, 1)])
         batch.sequences.extend(sequences)
 
@@ -328,8 +330,10 @@ class RunningBatch:
             return
         index = torch.tensor(keep, device=self._device)
         mask = batch.mask.index_select(0, index)  # (B', T)
-        first_used = int((mask.sum(0) > 0).nonzero()[0])  # drop padding columns no row needs any more
+        first_used = int((mask.sum(0) > 0).nonzero()[0])  # padding columns no row needs any more
+        # dropped only when they are many (dropping them moves every row's keys and values)
+        trim = first_used if first_used >= max(TRIM_COLUMNS, mask.shape[1] // 4) else 0
         batch.sequences = [batch.sequences[i] for i in keep]
-        batch.mask = mask[:, first_used:]
+        batch.mask = mask[:, trim:]
         assert batch.cache is not None
-        batch.cache = batch.cache.selected(index, first_used)
+        batch.cache.keep_rows(keep, trim)
