@@ -6,7 +6,8 @@
    (generic tool-reading conversations, `tool_reading.py`; skipped with --base-model), then supervised
    fine-tuning on transcripts of a weak walker (well-formed `move` calls, toward the breeze only with
    probability --warm-skill, a random direction otherwise) — the model learns the format, not the task;
-2. validation before training (mazes that training never sees);
+2. validation before training (mazes that training never sees), and every --eval-every steps, each next to
+   the following step's rollouts (the same weights; the engine decodes both in one batch);
 3. GRPO for N steps on a LoRA adapter (groups of rollouts per scenario, one optimizer step each), with a
    live progress bar;
 4. validation after; a reward-curve PNG, a before/after table and a JSON summary.
@@ -53,9 +54,12 @@ MONITORED = (
 )
 
 
-async def evaluate(model: artrl.TrainableModel, scenarios: list[env.Scenario]) -> dict[str, float]:
+async def evaluate(
+    model: artrl.TrainableModel, scenarios: list[env.Scenario], bar: bool = True
+) -> dict[str, float]:
     trajectories = await artrl.gather_trajectories(  # a live bar: done/total, mean reward, tokens
         (env.rollout(model, s, seed=1_000_000 + i) for i, s in enumerate(scenarios)),
+        pbar=bar,
         pbar_desc="validation",
     )
     await model.log([artrl.TrajectoryGroup(trajectories)], split="val")
@@ -182,10 +186,31 @@ async def main(args: argparse.Namespace) -> dict:
         await model.register(rl_backend)
         timings["register"] = time.perf_counter() - t
         val = env.scenarios("val", args.val_size, 0)
-        t = time.perf_counter()
-        before = await evaluate(model, val)
-        timings["validation"] = time.perf_counter() - t
-        val_points = [(0, before["success"], before["reward"])]
+        # A validation runs next to the following step's rollouts (the same weights: nothing trains until
+        # both are done), so the engine decodes both in one batch; "validation" times only the wait for it
+        # once that step's rollouts are in.
+        validating: list[tuple[int, asyncio.Task[dict[str, float]]]] = []
+        val_points: list[tuple[int, float, float]] = []
+        validations: dict[int, dict[str, float]] = {}
+        timings["validation"] = 0.0
+
+        def validate(step: int) -> None:
+            validating.append((step, asyncio.create_task(evaluate(model, val, bar=False))))
+
+        async def validated() -> None:
+            t = time.perf_counter()
+            for step, task in validating:
+                metrics = validations[step] = await task
+                val_points.append((step, metrics["success"], metrics["reward"]))
+                tqdm.write(f"validation at step {step}: success {metrics['success']:.2f}")
+            validating.clear()
+            timings["validation"] += time.perf_counter() - t
+
+        if args.steps:
+            validate(0)
+        else:  # (nothing to run it next to)
+            validations[0] = await evaluate(model, val)
+            val_points.append((0, validations[0]["success"], validations[0]["reward"]))
 
         scenarios = env.scenarios("train", args.steps * args.groups_per_step, args.seed)
         # --ahead N: the next N steps' rollouts are gathered while a step trains (N = 0: one after the other);
@@ -215,6 +240,7 @@ async def main(args: argparse.Namespace) -> dict:
         )
         async for step, groups in steps:
             timings["rollouts"] += time.perf_counter() - t  # (waiting for this step's rollouts)
+            await validated()  # (before the weights change)
             t = time.perf_counter()
             result = await model.train(groups, config=config)
             timings["training"] += time.perf_counter() - t
@@ -228,10 +254,7 @@ async def main(args: argparse.Namespace) -> dict:
                 }
             )
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-                t = time.perf_counter()
-                metrics = await evaluate(model, val)
-                val_points.append((step + 1, metrics["success"], metrics["reward"]))
-                timings["validation"] += time.perf_counter() - t
+                validate(step + 1)
             bar.update(1)
             bar.set_postfix(
                 reward=f"{result.metrics['reward_mean']:.2f}",
@@ -240,6 +263,8 @@ async def main(args: argparse.Namespace) -> dict:
             )
             t = time.perf_counter()
         bar.close()
+        await validated()
+        before = validations[0]
         t = time.perf_counter()
         after = await evaluate(model, val)
         timings["validation"] += time.perf_counter() - t
@@ -290,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=6e-3)
     parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tuning")
     parser.add_argument("--val-size", type=int, default=96)
     parser.add_argument("--eval-every", type=int, default=10)

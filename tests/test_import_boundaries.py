@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "artrl.config": 0,
     "artrl.canonical": 0,
     "artrl.art_names": 0,  # ART's names for artrl's settings (pure translation)
+    "artrl.random_ids": 0,  # unique ids without a system call each (stdlib)
     "artrl.storage": 1,
     "artrl.retry": 1,
     "artrl.dataset": 1,

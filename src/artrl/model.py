@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import weakref
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ from artrl.config import (
     TrackerName,
     TrainConfig,
 )
+from artrl.random_ids import random_hex
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -184,7 +186,6 @@ class TrainableModel(BaseModel):
         Its calls made inside an `artrl.capture(model)` block are recorded there (an httpx request hook adds
         the capture's header; unless you pass your own `http_client`).
         """
-        import openai
 
         options = self._client_options(kwargs)
         try:
@@ -192,20 +193,18 @@ class TrainableModel(BaseModel):
         except RuntimeError:
             loop = None
         if kwargs or loop is None:
-            return openai.AsyncOpenAI(**self._with_capture_hook(options, async_client=True))
+            return _clients()[0](**self._with_capture_hook(options, async_client=True))
         key = (options["base_url"], options["api_key"])
         cached = self._clients.get(loop)
         if cached is None or cached[0] != key or cached[1].is_closed():  # closed by `async with`
-            client = openai.AsyncOpenAI(**self._with_capture_hook(options, async_client=True))
+            client = _clients()[0](**self._with_capture_hook(options, async_client=True))
             cached = self._clients[loop] = (key, client)
         return cached[1]
 
     def openai_sync_client(self, **kwargs: Any) -> openai.OpenAI:
         """The synchronous twin of `openai_client`, for agent code that is not async (recorded by an
         `artrl.capture` block too, including from `asyncio.to_thread`, which copies the context)."""
-        import openai
-
-        return openai.OpenAI(**self._with_capture_hook(self._client_options(kwargs), async_client=False))
+        return _clients()[1](**self._with_capture_hook(self._client_options(kwargs), async_client=False))
 
     def anthropic_client(self, **kwargs: Any) -> Any:
         """An `anthropic.AsyncAnthropic` bound to the served model (the gateway's `/v1/messages`), recorded
@@ -307,3 +306,20 @@ class TrainableModel(BaseModel):
         if not items and not metrics:
             raise ValueError("nothing to log: give trajectories or groups, or metrics=")
         return await self._require_backend().log(self, items, split, metrics=metrics, step=step)
+
+
+@functools.cache
+def _clients() -> tuple[type[openai.AsyncOpenAI], type[openai.OpenAI]]:
+    """openai's two clients, whose retry idempotency keys are made without a system call (each request's
+    `uuid4` released the interpreter lock to the engine thread for up to 5 ms; see artrl.random_ids)."""
+    import openai
+
+    class AsyncOpenAI(openai.AsyncOpenAI):
+        def _idempotency_key(self) -> str:
+            return f"artrl-retry-{random_hex()}"
+
+    class OpenAI(openai.OpenAI):
+        def _idempotency_key(self) -> str:
+            return f"artrl-retry-{random_hex()}"
+
+    return AsyncOpenAI, OpenAI

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import copy
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from artrl.random_ids import random_hex
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _OPEN = "artrl_open"
@@ -215,4 +216,4 @@ class OutputParser:
                 return None
         if not isinstance(name, str) or name not in self._allowed or not isinstance(arguments, dict):
             return None
-        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(f"call_{random_hex(24)}", name, json.dumps(arguments, ensure_ascii=False))

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from artrl.config import GatewayConfig
 from artrl.local.gateway.protocol import RequestError
+from artrl.random_ids import random_hex
 
 
 @dataclass
@@ -59,7 +59,7 @@ class CaptureStore:
                     code="too_many_captures",
                     status=429,
                 )
-            capture_id = f"cap-{uuid.uuid4().hex}"
+            capture_id = f"cap-{random_hex()}"
             self._captures[capture_id] = _Capture()
             return capture_id
 

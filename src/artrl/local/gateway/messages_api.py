@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from artrl.local.gateway.messages_items import (
 )
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
+from artrl.random_ids import random_hex
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class MessagesDialect:
                 "enable_thinking": thinking["type"] == "enabled",
             }
             chat["chat_template_kwargs"] = kwargs
-        return json.dumps(chat).encode(), {"model": body.get("model"), "id": f"msg_{uuid.uuid4().hex}"}
+        return json.dumps(chat).encode(), {"model": body.get("model"), "id": f"msg_{random_hex()}"}
 
     def reply(
         self, prepared: PreparedRequest, completion: dict[str, Any], context: dict[str, Any]

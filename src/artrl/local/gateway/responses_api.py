@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from artrl.local.gateway.dialects import Record, chat_choice, json_body, stream_
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.responses_items import ResponseEvents, output_items
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
+from artrl.random_ids import random_hex
 
 # accepted and without effect here (bookkeeping of OpenAI's hosted service)
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Asked:
 
     body: dict[str, Any]
     history: list[dict[str, Any]]  # chat messages without the instructions (what previous_response_id keeps)
-    response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    response_id: str = field(default_factory=lambda: f"resp_{random_hex()}")
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -4,10 +4,10 @@ pieces (see responses_api.py)."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from artrl.local.gateway.serving import Delta
+from artrl.random_ids import random_hex
 
 
 def output_items(message: dict[str, Any], status: str = "completed") -> list[dict[str, Any]]:
@@ -24,14 +24,14 @@ def output_items(message: dict[str, Any], status: str = "completed") -> list[dic
 
 def _reasoning_item(text: str) -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}]
-    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": content}
+    return {"type": "reasoning", "id": f"rs_{random_hex()}", "summary": [], "content": content}
 
 
 def _message_item(text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": []}] if text else []
     return {
         "type": "message",
-        "id": f"msg_{uuid.uuid4().hex}",
+        "id": f"msg_{random_hex()}",
         "role": "assistant",
         "status": status,
         "content": content,
@@ -42,7 +42,7 @@ def _call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
     function = call["function"]
     return {
         "type": "function_call",
-        "id": f"fc_{uuid.uuid4().hex}",
+        "id": f"fc_{random_hex()}",
         "call_id": call["id"],
         "name": function["name"],
         "arguments": function["arguments"],

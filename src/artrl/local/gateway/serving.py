@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import Prompt, PromptBuilder
 from artrl.local.gateway.protocol import ChatRequest, NamedToolChoice, RequestError
 from artrl.local.gateway.stop_strings import StopStrings
+from artrl.random_ids import random_hex
 
 
 @dataclass
@@ -59,7 +59,7 @@ class PreparedRequest:
     # the step served when the request arrived: the policy that sampled it (the embedded engine may finish a
     # sequence on newer weights: then the tokens are fresher than this says, never older); None: unknown
     policy_step: int | None = None
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    id: str = field(default_factory=lambda: f"chatcmpl-{random_hex()}")
     created: int = field(default_factory=lambda: int(time.time()))
 
 
