@@ -24,7 +24,7 @@ import harness
 
 SECTION_HEADING = "## A second, idle embedded engine in the process (bench_idle_backend.py)"
 KEPT = "second served 32 requests, idle, its engine thread kept (as before `engine_thread_idle_s`)"
-ENDED = "second served 32 requests, idle, its engine thread ended after `engine_thread_idle_s` (default 1 s)"
+ENDED = "second served 32 requests, idle, its engine thread ended after `engine_thread_idle_s` (default 2 s)"
 
 
 async def phases(runs: int) -> dict[str, list[float]]:
@@ -96,7 +96,7 @@ def main() -> int:
         "`ONEDNN_PRIMITIVE_CACHE_CAPACITY` change nothing. Once its thread has run torch ops it owns an OpenMP team;",
         "with more libgomp threads than CPUs every team's spin-waiting is throttled, so each small parallel region of",
         "the busy engine's decode step waits for a futex wake-up (`OMP_WAIT_POLICY=ACTIVE` makes it worse: 392-422",
-        "tok/s). The fix (`EngineConfig.engine_thread_idle_s`, default 1 s): an engine thread with nothing to do ends,",
+        "tok/s). The fix (`EngineConfig.engine_thread_idle_s`, default 2 s): an engine thread with nothing to do ends,",
         "and the next request or training step starts a new one.",
         "",
     ]

@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
 
+from artrl.config import EngineConfig
+
 SECTION_HEADING = "## Rollouts: embedded engine vs vLLM-CPU (bench_rollouts.py)"
 ENDPOINTS = ("artrl", "artrl HTTP", "artrl fp32", "artrl+vLLM", "vLLM")
 CALL_TIMEOUT_S = 300.0  # one chat call, end to end (queueing behind 64 sessions included)
@@ -165,6 +167,10 @@ async def one_token_ms(ep: Endpoint, calls: int) -> list[float]:
     return times
 
 
+# before each run: the other embedded engines' threads end (they would slow the measured one's OpenMP team)
+THREADS_END_S = 0.5 + EngineConfig().engine_thread_idle_s
+
+
 def rotated(run: int) -> tuple[str, ...]:
     k = run % len(ENDPOINTS)
     return ENDPOINTS[k:] + ENDPOINTS[:k]
@@ -201,7 +207,7 @@ async def bench_workload(endpoints: dict[str, Endpoint], work: Workload, runs: i
     result = WorkloadResult(work, {label: [] for label in ENDPOINTS})
     for run in range(runs):
         for label in rotated(run):
-            await harness.settle()
+            await harness.settle(at_least_s=THREADS_END_S)
             stats = await run_sessions(endpoints[label], work, f"{run + 1}")
             result.runs[label].append(stats)
             print(
@@ -286,7 +292,7 @@ async def run(args: argparse.Namespace) -> tuple[list[WorkloadResult], dict[str,
                     await one_token_ms(endpoints["tiny"][label], 3)  # warm-up
                 for run_index in range(args.runs):
                     for label in rotated(run_index):
-                        await harness.settle()
+                        await harness.settle(at_least_s=THREADS_END_S)
                         overhead[label] += await one_token_ms(endpoints["tiny"][label], args.overhead_calls)
                         print(f"[c] {label}: median {statistics.median(overhead[label]):.1f} ms", flush=True)
         finally:

