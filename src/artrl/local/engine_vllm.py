@@ -23,13 +23,13 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
 from artrl.config import VLLMConfig
 from artrl.local.engine import EngineError, SamplingParams, SequenceStream
+from artrl.local.idle_thread import IdleEndingExecutor
 from artrl.local.replica_router import ReplicaRouter, Route
 from artrl.local.vllm_completions import (
     ModelNotFound,
@@ -56,12 +56,14 @@ class VLLMEngine:
         max_context: int,
         config: VLLMConfig,
         start: StartServer | None = None,
+        trainer_thread_idle_s: float = 2.0,
     ) -> None:
         self.config = config
         self.router = ReplicaRouter(len(replicas), config.affinity_entries)
         self._router_lock = threading.Lock()  # requests may come from more than one event loop
         self.replicas = ReplicaSet(replicas, config, served_name, start, on_restart=self._forget_replica)
-        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="artrl-trainer")
+        # (its thread ends when idle, its OpenMP team with it: see idle_thread)
+        self._trainer_thread = IdleEndingExecutor(trainer_thread_idle_s, "artrl-trainer")
         self.served_name = served_name  # the base model's name on the vLLM servers
         self.model_name = model_name  # the artrl model's name: adapters are `{model_name}@{step}`
         self.loaded: list[str] = []  # adapters loaded by us, oldest first

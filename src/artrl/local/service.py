@@ -316,7 +316,8 @@ class VLLMLaunch:
             def start(index: int, checkpoint: str | None, cancel: threading.Event) -> VLLMServer:
                 return self.server(index, Path(checkpoint) if checkpoint else None, cancel)
 
-        engine = VLLMEngine(replicas, base, self.served_name, self.max_context, config, start)
+        idle_s = self.engine_config.engine_thread_idle_s
+        engine = VLLMEngine(replicas, base, self.served_name, self.max_context, config, start, idle_s)
         engine.replicas.weights = str(full_weights) if full_weights else None
         if self.lora is not None and resume_from is not None:
             try:
