@@ -16,9 +16,9 @@ def make_puzzles(count: int, seed: int = 0) -> list[dict]:
     out = []
     for _ in range(count):
         who, where, what = rng.choice(SUSPECTS), rng.choice(ROOMS), rng.choice(WEAPONS)
-        clues = [
-            f"The culprit is not {s}." for s in rng.sample([s for s in SUSPECTS if s != who], 3)
-        ] + [f"The crime did not happen in the {r}." for r in rng.sample([r for r in ROOMS if r != where], 3)]
+        clues = [f"The culprit is not {s}." for s in rng.sample([s for s in SUSPECTS if s != who], 3)] + [
+            f"The crime did not happen in the {r}." for r in rng.sample([r for r in ROOMS if r != where], 3)
+        ]
         clues += [f"The weapon was the {what}."]
         rng.shuffle(clues)
         prompt = (

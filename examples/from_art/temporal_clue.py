@@ -39,9 +39,7 @@ random.shuffle(train_puzzles)
 async def rollout(model: art.Model, puzzle: TemporalCluePuzzle) -> art.Trajectory:
     messages: art.Messages = [{"role": "user", "content": puzzle["prompt"]}]
     client = model.openai_client()
-    chat_completion = await client.chat.completions.create(
-        messages=messages, model=model.name
-    )
+    chat_completion = await client.chat.completions.create(messages=messages, model=model.name)
     choice = chat_completion.choices[0]
     content = choice.message.content
     assert isinstance(content, str)
@@ -52,9 +50,7 @@ async def rollout(model: art.Model, puzzle: TemporalCluePuzzle) -> art.Trajector
             if match.strip().lower() == value.lower():
                 num_correct += 1
     reward = acc = num_correct / len(puzzle["solution"])
-    return art.Trajectory(
-        messages_and_choices=[*messages, choice], reward=reward, metrics={"acc": acc}
-    )
+    return art.Trajectory(messages_and_choices=[*messages, choice], reward=reward, metrics={"acc": acc})
 
 
 async def main():
@@ -70,10 +66,7 @@ async def main():
     for i in range(await model.get_step(), STEPS):
         val_groups, train_groups = await asyncio.gather(
             art.gather_trajectory_groups(
-                (
-                    art.TrajectoryGroup(rollout(model, puzzle) for _ in range(2))
-                    for puzzle in val_puzzles
-                ),
+                (art.TrajectoryGroup(rollout(model, puzzle) for _ in range(2)) for puzzle in val_puzzles),
                 pbar_desc="val",
             ),
             art.gather_trajectory_groups(
