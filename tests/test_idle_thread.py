@@ -19,8 +19,7 @@ def test_tasks_run_in_order_on_one_thread_that_ends_when_idle_and_restarts():
     ]
     assert [f.result(5) for f in futures] == list(range(20))
     assert [i for i, _ in seen] == list(range(20)) and {name for _, name in seen} == {"worker"}
-    with pool._lock:
-        first = pool._thread
+    first = pool._thread
     deadline = time.monotonic() + 5
     while pool._thread is not None and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -314,12 +314,14 @@ def _clients() -> tuple[type[openai.AsyncOpenAI], type[openai.OpenAI]]:
     `uuid4` released the interpreter lock to the engine thread for up to 5 ms; see artrl.random_ids)."""
     import openai
 
-    class AsyncOpenAI(openai.AsyncOpenAI):
+    class _Keys:
         def _idempotency_key(self) -> str:
             return f"artrl-retry-{random_hex()}"
 
-    class OpenAI(openai.OpenAI):
-        def _idempotency_key(self) -> str:
-            return f"artrl-retry-{random_hex()}"
+    class AsyncOpenAI(_Keys, openai.AsyncOpenAI):
+        pass
+
+    class OpenAI(_Keys, openai.OpenAI):
+        pass
 
     return AsyncOpenAI, OpenAI

@@ -26,6 +26,7 @@ import torch
 
 from artrl.config import EngineConfig
 from artrl.local.engine import SequenceStream
+from artrl.local.idle_thread import IdleEndingThread
 from artrl.local.merged_lora import MergedLora
 from artrl.local.prefix_cache import PrefixCache
 from artrl.local.running_batch import Request, RunningBatch, RunningSequence, fail_sequences
@@ -66,9 +67,8 @@ class HFEngine:
             prefix_cache=self.prefix_cache,
             cache_arg=cache_arg,
         )
-        self._thread_lock = threading.Lock()  # guards starting the thread and its decision to end
-        self._thread: threading.Thread | None = None
-        self._wake()
+        self._worker = IdleEndingThread(self._run, "artrl-engine")
+        self._worker.wake()
 
     @property
     def max_context(self) -> int:
@@ -89,7 +89,7 @@ class HFEngine:
                 generator = torch.Generator(device=self._device).manual_seed((params.seed + i) % 2**64)
             sequences.append(RunningSequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
         self._incoming.put(Request(list(prompt_ids), sequences))
-        self._wake()
+        self._worker.wake()
         return [s.stream for s in sequences]
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -98,7 +98,7 @@ class HFEngine:
             raise RuntimeError("engine is closed")
         job = _Job(fn, Future())
         self._incoming.put(job)
-        self._wake()
+        self._worker.wake()
         return job.future
 
     async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
@@ -114,25 +114,12 @@ class HFEngine:
     async def close(self) -> None:
         self._closed = True
         self._incoming.put(None)
-        thread = self._wake()
+        thread = self._worker.wake()
         await asyncio.to_thread(thread.join, 30)
 
-    def _wake(self) -> threading.Thread:
-        """The engine thread, started if none runs (after what was queued: it finds that in the queue)."""
-        with self._thread_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="artrl-engine", daemon=True)
-                self._thread.start()
-            return self._thread
-
-    def _end_if_idle(self) -> bool:
-        """Called when nothing arrived for `engine_thread_idle_s` and nothing runs: end this thread unless an
-        item slipped in meanwhile (a producer that queued it sees no thread and starts a new one)."""
-        with self._thread_lock:
-            if not self._incoming.empty() or self._steps.busy or self._jobs:
-                return False
-            self._thread = None
-            return True
+    @property
+    def _thread(self) -> threading.Thread | None:
+        return self._worker.current
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -142,7 +129,9 @@ class HFEngine:
                 steps = self._steps
                 if self._collect_requests(block=not steps.batch.sequences) or steps.busy:
                     idle_since = time.monotonic()
-                elif time.monotonic() - idle_since >= self._thread_idle_s and self._end_if_idle():
+                elif time.monotonic() - idle_since >= self._thread_idle_s and self._worker.end_unless(
+                    lambda: not self._incoming.empty() or self._steps.busy or bool(self._jobs)
+                ):
                     return
                 self._run_jobs()
                 if steps.busy:

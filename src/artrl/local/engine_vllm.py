@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from artrl.config import VLLMConfig
+from artrl.config import EngineConfig, VLLMConfig
 from artrl.local.engine import EngineError, SamplingParams, SequenceStream
 from artrl.local.idle_thread import IdleEndingExecutor
 from artrl.local.replica_router import ReplicaRouter, Route
@@ -56,7 +56,7 @@ class VLLMEngine:
         max_context: int,
         config: VLLMConfig,
         start: StartServer | None = None,
-        trainer_thread_idle_s: float = 2.0,
+        trainer_thread_idle_s: float = EngineConfig.model_fields["engine_thread_idle_s"].default,
     ) -> None:
         self.config = config
         self.router = ReplicaRouter(len(replicas), config.affinity_entries)
