@@ -94,7 +94,8 @@ async def test_a_prefill_holds_at_most_its_token_budget(tiny_model_dir):
     )
     try:
         params = SamplingParams(max_tokens=2, temperature=0.0)
-        prompts = [list(range(10, 110))] * 6 + [list(range(10, 400))]  # 6 x 100 tokens, one of 390
+        # 6 x 100 tokens, one of 390, all different (identical prompts would share one prefill row)
+        prompts = [list(range(10 + i, 110 + i)) for i in range(6)] + [list(range(10, 400))]
         streams = [engine.generate(p, params, 1)[0] for p in prompts]
         for stream in streams:
             assert len([c async for c in stream]) == 2

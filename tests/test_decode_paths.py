@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from artrl.local.cpu_attention import NAME, _decode, _math, cpu_attention, use_cpu_attention
+from artrl.local.cpu_attention import NAME, _math, cpu_attention, decode_attention, use_cpu_attention
 from artrl.local.merged_lora import MergedLora
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -45,7 +45,7 @@ def test_decode_attention_equals_sdpa(dtype, tolerance):
     assert torch.allclose(ours.float(), reference, atol=tolerance)
     assert torch.allclose(unmasked.float(), unmasked_ref, atol=tolerance)
     with torch.inference_mode():  # the products themselves (fp32 steps keep sdpa)
-        direct = _decode(query, key, value, mask, 0.2)
+        direct = decode_attention(query, key, value, mask, 0.2)
     assert torch.allclose(direct.float(), reference, atol=tolerance)
 
 

@@ -4,6 +4,7 @@ running batch, aborts free their rows, and n/seed behave."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -52,6 +53,29 @@ async def test_batched_equals_alone_and_matches_transformers_generate(engine, hf
     for prompt, ids in zip(PROMPTS, alone, strict=True):
         reference = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
         assert reference[0, len(prompt) :].tolist() == ids
+
+
+async def test_requests_with_one_prompt_share_one_prefill_row_and_sample_as_if_alone(hf_model):
+    """A group's rollouts sent one by one (same prompt, their own seeds): one prefill row for all of them."""
+    from fakes import instrumented_model
+
+    rows: list[int] = []
+    model = instrumented_model(
+        hf_model, lambda ids, _: rows.append(ids.shape[0]) if ids.shape[1] > 1 else None
+    )
+    engine = HFEngine(model, max_context=2048, config=EngineConfig(prefix_cache_bytes=0))
+    try:
+        seeded = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)]
+        alone = [(await collect(engine, PROMPTS[3], p))[0] for p in seeded]
+        rows.clear()
+        busy = engine.call(lambda: time.sleep(0.3))  # (so that all six wait for one admission)
+        streams = [engine.generate(p, params, 1)[0] for p in (PROMPTS[3], PROMPTS[0]) for params in seeded]
+        busy.result(timeout=10)
+        together = [[c.token_id async for c in s] for s in streams]
+    finally:
+        await engine.close()
+    assert rows == [2]  # six requests, two prompts: one prefill of two rows
+    assert together[:3] == alone and len(set(map(tuple, alone))) == 3
 
 
 async def test_a_cache_that_grows_past_its_room_still_matches_transformers_generate(engine, hf_model):

@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.prefix_cache": 2,
     "artrl.local.cpu_attention": 2,  # an attention function registered with transformers
     "artrl.local.merged_lora": 2,  # inference weights with the LoRA folded in
+    "artrl.local.fused_decode": 2,  # the decode step without the module tree
     "artrl.local.idle_thread": 2,  # an executor whose one thread ends when idle (stdlib)
     "artrl.local.in_process": 2,  # an httpx transport to the gateway in the same process
     "artrl.local.engine_vllm": 3,

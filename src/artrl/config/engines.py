@@ -203,6 +203,13 @@ class EngineConfig(_Frozen):
         "recomputed after each training step; one more copy of those weights in memory) instead of running the "
         "adapter on every forward. auto = on CPU, where it makes decoding ~1.3x and prefill ~2x faster",
     )
+    fused_decode: bool = Field(
+        default=True,
+        description="embedded engine on CPU, Llama/Qwen2/Qwen3/Mistral layouts: decode steps through artrl's own "
+        "step (local/fused_decode.py: q/k/v and gate/up in one product each, weights packed for oneDNN once per "
+        "training step) instead of the transformers forward: 1.5x (bf16) to 2x (fp32) faster at 8 sequences on "
+        "the 27M model. One more copy of the decoder's linear weights in memory",
+    )
     engine_thread_idle_s: float = Field(
         default=2.0,
         gt=0,

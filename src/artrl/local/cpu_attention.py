@@ -52,7 +52,7 @@ def cpu_attention(
     )
     scale = scaling if scaling is not None else dim**-0.5
     if plain and q_length == 1 and not torch.is_grad_enabled() and query.dtype in _HALF:
-        return _decode(query, key, value, attention_mask, scale), None
+        return decode_attention(query, key, value, attention_mask, scale), None
     small = 4 * batch * heads * q_length * length <= MATH_SCORES_BYTES
     if plain and torch.is_grad_enabled() and query.dtype in _HALF and small:
         return _math(query, key, value, attention_mask, scale), None
@@ -61,7 +61,9 @@ def cpu_attention(
     )
 
 
-def _decode(query, key, value, mask, scale: float) -> torch.Tensor:
+def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
+    """(B, 1, H, D) attention of one query per sequence, query (B, H, 1, D) over keys and values (B, H_kv, T, D)
+    (mask (B, T) bool, True = attend; None = all)."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     grouped = (query * scale).reshape(batch, kv_heads, heads // kv_heads, dim)  # (B, H_kv, G, D)

@@ -26,6 +26,7 @@ import torch
 
 from artrl.config import EngineConfig
 from artrl.local.engine import SequenceStream
+from artrl.local.fused_decode import FusedDecode
 from artrl.local.idle_thread import IdleEndingThread
 from artrl.local.merged_lora import MergedLora
 from artrl.local.prefix_cache import PrefixCache
@@ -67,6 +68,8 @@ class HFEngine:
             prefix_cache=self.prefix_cache,
             cache_arg=cache_arg,
         )
+        self._fused = FusedDecode.of(model) if config.fused_decode else None  # (None: not CPU, other layout)
+        self._steps.fused = self._fused
         self._worker = IdleEndingThread(self._run, "artrl-engine")
         self._worker.wake()
 
@@ -136,6 +139,7 @@ class HFEngine:
                 self._run_jobs()
                 if steps.busy:
                     self._merge_lora()
+                    self._build_fused()
                 with torch.inference_mode():
                     steps.admit()
                     steps.drop_finished()
@@ -168,10 +172,27 @@ class HFEngine:
             self._lora.unmerge()
             self._lora = None
 
+    def _build_fused(self) -> None:
+        """The fused decode step's weights, after a job or at the first step (from the merged weights)."""
+        fused = self._fused
+        if fused is None or fused.ready:
+            return
+        try:
+            fused.build()
+        except Exception as exc:  # (a module outside the layout, out of memory for the copy)
+            log.warning(
+                "decode steps through the transformers forward: the fused step failed to build (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+            self._fused = self._steps.fused = None
+
     def _run_jobs(self) -> None:
         jobs, self._jobs = self._jobs, []
         if jobs:
             self.prefix_cache.clear()  # a job may change the weights: cached keys and values are stale
+            if self._fused is not None:
+                self._fused.stale()
             if self._lora is not None:
                 self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
         for job in jobs:

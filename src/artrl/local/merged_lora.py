@@ -20,7 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _mergeable(module: Any) -> bool:
+def mergeable(module: Any) -> bool:
     """A plain PEFT LoRA linear layer with one active adapter (no DoRA or other variant)."""
     try:
         from peft.tuners.lora.layer import Linear
@@ -59,7 +59,7 @@ class MergedLora:
         lora = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
         if not lora:
             return None
-        if not all(_mergeable(m) for m in lora):
+        if not all(mergeable(m) for m in lora):
             log.info(
                 "the adapter has layers artrl cannot merge (a LoRA variant?): inference keeps the adapter"
             )

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from artrl.local.engine import SequenceStream
+from artrl.local.fused_decode import FusedDecode
 from artrl.local.kv_cache import BatchCache, left_pad
 from artrl.local.prefix_cache import CachedPrefix, PrefixCache, PrefixMatch, common_start, stacked_states
 from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
@@ -59,6 +60,19 @@ class _Batch:
     mask: torch.Tensor | None = None  # (B, T) long, 0 on padding
 
 
+def _one_row_per_prompt(requests: list[Request]) -> list[Request]:
+    """Requests with the same prompt (a group's rollouts, sent one by one) joined into one: their prompt is
+    prefilled once and its keys, values and logits fan out to all their sequences."""
+    joined: dict[tuple[int, ...], Request] = {}
+    for request in requests:
+        key = tuple(request.prompt_ids)
+        if key in joined:
+            joined[key].sequences.extend(request.sequences)
+        else:
+            joined[key] = Request(request.prompt_ids, list(request.sequences))
+    return list(joined.values())
+
+
 def fail_sequences(sequences: list[RunningSequence], message: str, reason: str = "error") -> None:
     for seq in sequences:
         if not seq.done:
@@ -88,6 +102,9 @@ class RunningBatch:
         self._device = next(model.parameters()).device
         self.pending: list[Request] = []
         self.batch = _Batch()
+        self.fused: FusedDecode | None = (
+            None  # decode steps without the module tree, when built (the engine's)
+        )
 
     @property
     def busy(self) -> bool:
@@ -122,6 +139,7 @@ class RunningBatch:
             admitted.append(request)
             longest = max(longest, len(request.prompt_ids))
         if admitted:
+            admitted = _one_row_per_prompt(admitted)
             self._prefill_isolated(admitted, self._prefix_matches(admitted))
 
     def _prefix_matches(self, requests: list[Request]) -> list[PrefixMatch | None]:
@@ -237,7 +255,11 @@ class RunningBatch:
         mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.sequences), 1))], dim=1)  # (B, T+1)
         before = batch.cache.length
         try:
-            logits = self._forward(ids, mask, positions, batch.cache.cache())
+            fused = self.fused
+            if fused is not None and fused.ready:
+                logits = fused(ids, positions, mask, batch.cache)
+            else:
+                logits = self._forward(ids, mask, positions, batch.cache.cache())
         except Exception as exc:
             batch.cache.truncate(before)  # layers before the failure appended their column
             if len(batch.sequences) == 1:

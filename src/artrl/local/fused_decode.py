@@ -1,0 +1,236 @@
+"""The embedded engine's decode step on CPU for Llama-layout models, without the module tree.
+
+A decode step computes one token per running sequence. Through the transformers forward it is ~57 small
+matrix products (27M model) and several hundred small ops, each behind an nn.Module call, a PEFT wrapper, a
+mask builder and a cache object: at 8 sequences about a third of the step is Python, and the products
+themselves run through a kernel that re-lays out its weight on every call. This step instead:
+
+- runs the same computation as the transformers code of Llama, Qwen2, Qwen3 and Mistral (full attention),
+  op for op where it matters for the numbers (RMS norms in fp32 then the weight in the model's dtype,
+  rotary embeddings from the model's own rotary module, residuals in the same order), so its logits match
+  the model's forward (`tests/test_fused_decode.py`: equal in bf16, ~1e-6 in fp32);
+- multiplies by q/k/v and by gate/up concatenated (one product each), with LoRA folded in (W + s·B·A, or
+  the merged weights `merged_lora` swapped in);
+- packs each large weight once per weight version for oneDNN (`torch.ops.mkldnn`), which otherwise repacks
+  it on every call: fp32 products at 8 rows ~3x faster, bf16 ~1.5x.
+
+The weights are rebuilt after every engine job (a training step may have changed them): `stale()`, then
+`build()` before the next step. Anything outside the checked layout (another architecture, a sliding
+window, a LoRA variant, an adapter on the embeddings) keeps the transformers forward. Costs one more copy
+of the decoder's linear weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from artrl.local.cpu_attention import decode_attention
+from artrl.local.kv_cache import BatchCache
+from artrl.local.merged_lora import mergeable
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+PACK_MIN_ELEMENTS = 1 << 17  # smaller weights multiply faster unpacked (the tiny model's)
+
+
+@dataclass
+class _Product:
+    """y = x·Wᵀ + b with W (out, in) as given, or packed for oneDNN."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Layer:
+    qkv: _Product
+    o: _Product
+    gate_up: _Product
+    down: _Product
+    block: Any  # the decoder layer: its norms' weights are read at every step
+
+
+def _effective(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias a linear module (plain, or a PEFT LoRA layer) applies at inference."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        if type(module) is not torch.nn.Linear:
+            raise TypeError(f"{type(module).__name__} is not a plain linear layer")
+        return module.weight, module.bias
+    if type(base) is not torch.nn.Linear:
+        raise TypeError(f"an adapter over {type(base).__name__}")
+    weight = base.weight
+    if not module.disable_adapters and not module.merged:  # the adapter runs beside W: fold it in
+        if not mergeable(module):
+            raise TypeError("a LoRA layer artrl cannot fold (a variant such as DoRA, or several adapters)")
+        delta = module.get_delta_weight(module.active_adapters[0])
+        weight = (weight.float() + delta.float()).to(weight.dtype)
+    return weight, base.bias
+
+
+def _joined(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The modules' weights stacked along the output dimension (one product for all)."""
+    parts = [_effective(m) for m in modules]
+    weight = torch.cat([w for w, _ in parts])  # (sum of outs, in)
+    if all(b is None for _, b in parts):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed product runs here and agrees with F.linear (a private op: checked, not
+    assumed)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight = torch.randn(64, 48).to(dtype)
+        x = torch.randn(3, 48).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return torch.allclose(got.float(), F.linear(x, weight).float(), rtol=1e-2, atol=1e-2)
+    except Exception as exc:  # (a torch without the op, a CPU without the kernel)
+        log.info("decode products stay unpacked: %s: %s", type(exc).__name__, exc)
+        return False
+
+
+class FusedDecode:
+    """Decode steps for one model (see the module docstring); None from `of` where it does not apply."""
+
+    def __init__(self, model: Any, base: Any) -> None:
+        self._model = model
+        self._base = base  # the transformers ForCausalLM under any PEFT wrapper
+        config = base.config
+        self._heads = config.num_attention_heads
+        self._kv_heads = config.num_key_value_heads
+        self._head_dim = base.model.layers[0].self_attn.head_dim
+        self._scale = base.model.layers[0].self_attn.scaling
+        self._intermediate = config.intermediate_size
+        self._pack: bool | None = None  # checked at the first build, on the engine thread: a torch op on
+        # another thread would give that thread an OpenMP team of its own, which slows every team down
+        self._layers: list[_Layer] = []
+        self._head: _Product | None = None
+
+    @classmethod
+    def of(cls, model: Any) -> FusedDecode | None:
+        """For a model of a supported layout on the CPU; None otherwise (the transformers forward)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        name = type(base).__name__
+        config = getattr(base, "config", None)
+        if name not in ARCHITECTURES or config is None:
+            return None
+        if next(base.parameters()).device.type != "cpu":
+            return None
+        inner = getattr(base, "model", None)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        why = None
+        if getattr(config, "hidden_act", None) != "silu":
+            why = f"activation {getattr(config, 'hidden_act', None)!r}"
+        elif any(t != "full_attention" for t in layer_types) or (
+            name == "MistralForCausalLM" and getattr(config, "sliding_window", None) is not None
+        ):
+            why = "sliding-window attention"
+        elif (
+            inner is None
+            or not hasattr(inner, "rotary_emb")
+            or type(inner.embed_tokens) is not torch.nn.Embedding
+        ):
+            why = "an unexpected module layout"
+        if why is not None:
+            log.info("decode steps through the transformers forward: %s", why)
+            return None
+        return cls(model, base)
+
+    @property
+    def ready(self) -> bool:
+        return self._head is not None
+
+    def stale(self) -> None:
+        """The weights may have changed: build() again before the next step."""
+        self._layers, self._head = [], None
+
+    def _product(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Product:
+        weight = weight.detach()
+        if self._pack is None:
+            self._pack = _can_pack(weight.dtype)
+        if self._pack and weight.numel() >= PACK_MIN_ELEMENTS:
+            return _Product(torch.ops.mkldnn._reorder_linear_weight(weight, None), bias, True)
+        return _Product(weight.contiguous(), bias, False)
+
+    @torch.no_grad()
+    def build(self) -> None:
+        """The fused (and packed) weights of the model as it is now. Raises TypeError for a module outside
+        the layout (the caller then keeps the transformers forward)."""
+        layers = []
+        for block in self._base.model.layers:
+            attention, mlp = block.self_attn, block.mlp
+            if getattr(attention, "sliding_window", None) is not None:
+                raise TypeError("a sliding-window layer")
+            layers.append(
+                _Layer(
+                    qkv=self._product(*_joined([attention.q_proj, attention.k_proj, attention.v_proj])),
+                    o=self._product(*_effective(attention.o_proj)),
+                    gate_up=self._product(*_joined([mlp.gate_proj, mlp.up_proj])),
+                    down=self._product(*_effective(mlp.down_proj)),
+                    block=block,
+                )
+            )
+        head = self._product(*_effective(self._base.lm_head))
+        self._layers, self._head = layers, head
+
+    def __call__(
+        self,
+        ids: torch.Tensor,  # (B, 1)
+        positions: torch.Tensor,  # (B, 1)
+        mask: torch.Tensor,  # (B, T + 1) 1 = a token, 0 = left padding
+        cache: BatchCache,  # T columns; each layer gets this step's keys and values appended
+    ) -> torch.Tensor:
+        """Logits (B, V) of the next token."""
+        assert self._head is not None, "build() first"
+        inner = self._base.model
+        batch = ids.shape[0]
+        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
+        hidden = inner.embed_tokens(ids)  # (B, 1, E)
+        cos, sin = inner.rotary_emb(hidden, positions)  # (B, 1, D) each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, 1, D)
+        half = dim // 2
+        # rotate_half(x)·sin = roll(x, half)·(-sin₁, sin₂): the same products, no concatenation per layer
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # (B, 1, 1, D)
+        attend = mask.bool()  # (B, T + 1)
+        for layer, cache_layer in zip(self._layers, cache.layers, strict=True):
+            block = layer.block
+            attention = block.self_attn
+            x = _rms(hidden, block.input_layernorm)
+            qkv = layer.qkv(x).view(batch, heads + 2 * kv_heads, dim)  # (B, H + 2·H_kv, D)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            if hasattr(attention, "q_norm"):  # (Qwen3)
+                q, k = _rms(q, attention.q_norm), _rms(k, attention.k_norm)
+            q, k, v = q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2)  # (B, H or H_kv, 1, D)
+            q = q * cos + q.roll(half, dims=-1) * signed_sin
+            k = k * cos + k.roll(half, dims=-1) * signed_sin
+            keys, values = cache_layer.update(k, v)  # (B, H_kv, T + 1, D)
+            out = decode_attention(q, keys, values, attend, self._scale)  # (B, 1, H, D)
+            hidden = hidden + layer.o(out.reshape(batch, 1, heads * dim))
+            x = _rms(hidden, block.post_attention_layernorm)
+            gate, up = layer.gate_up(x).split(self._intermediate, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        hidden = _rms(hidden, inner.norm)
+        return self._head(hidden[:, -1])  # (B, V)
+
+
+def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """transformers' Llama-family RMSNorm, op for op: normalised in fp32, then the weight in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * xf.to(x.dtype)

@@ -1,0 +1,192 @@
+"""The embedded engine's fused decode step gives the transformers forward's logits and keys/values, for every
+layout it accepts (Llama with biases and llama3 rope scaling, Qwen2, Qwen3, Mistral), with or without a
+LoRA, in fp32 and bf16; it follows the weights through a training step; other layouts keep the forward."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+
+import pytest
+import torch
+
+from artrl.config import EngineConfig
+from artrl.local.cpu_attention import use_cpu_attention
+from artrl.local.engine_hf import HFEngine
+from artrl.local.fused_decode import FusedDecode
+from artrl.local.kv_cache import BatchCache
+from artrl.local.merged_lora import MergedLora
+from artrl.local.sampling import SamplingParams
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHAPE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+)
+
+
+def _model(architecture: str, dtype: torch.dtype):
+    import transformers as tf
+
+    if architecture == "llama":  # biases everywhere, llama3 rope scaling, untied head
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
+        rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        config = tf.LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True, rope_parameters=rope)
+        cls = tf.LlamaForCausalLM
+    elif architecture == "qwen2":  # q/k/v biases, tied head
+        config = tf.Qwen2Config(**SHAPE, tie_word_embeddings=True)
+        cls = tf.Qwen2ForCausalLM
+    elif architecture == "qwen3":  # q/k norms
+        config = tf.Qwen3Config(**SHAPE)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        config = tf.MistralConfig(**SHAPE, sliding_window=None)
+        cls = tf.MistralForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).to(dtype).eval()
+    with torch.no_grad():  # biases and norm weights away from their 0/1 initialisation
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    use_cpu_attention(model)
+    return model
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(2)  # (lora_A's initialisation)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def _cache(model, dtype, rows: int, length: int) -> BatchCache:
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    g = torch.Generator().manual_seed(1)
+    shape = (rows, config.num_key_value_heads, length, config.head_dim)
+    states = [
+        [torch.randn(shape, generator=g).to(dtype) for _ in range(config.num_hidden_layers)] for _ in "kv"
+    ]
+    return BatchCache.from_states(*states)
+
+
+def _hf_step(model, ids, positions, mask, cache: BatchCache) -> torch.Tensor:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{name: cache.cache()},
+    )
+    return out.logits[:, -1]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("adapter", ["none", "lora", "merged lora"])
+def test_the_fused_step_gives_the_forwards_logits_and_cache(architecture, dtype, tolerance, adapter):
+    model = _model(architecture, dtype)
+    if adapter != "none":
+        model = _lora(model)
+    if adapter == "merged lora":  # the engine's inference form
+        merged = MergedLora.of(model)
+        assert merged is not None
+        merged.merge()
+    fused = FusedDecode.of(model)
+    assert fused is not None
+    rows, length = 3, 20
+    ids = torch.tensor([[5], [77], [299]])
+    mask = torch.ones(rows, length + 1, dtype=torch.long)
+    mask[1, :7] = 0  # a left-padded row
+    positions = (mask.sum(1, keepdim=True) - 1) + torch.tensor([[0], [0], [90]])  # a row far ahead
+    expected_cache, fused_cache = _cache(model, dtype, rows, length), _cache(model, dtype, rows, length)
+    with torch.inference_mode():
+        expected = _hf_step(model, ids, positions, mask, expected_cache).float()
+        fused.build()
+        got = fused(ids, positions, mask, fused_cache).float()
+    assert got.shape == expected.shape == (rows, SHAPE["vocab_size"])
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= tolerance * scale, (got - expected).abs().max()
+    for a, b in zip(expected_cache.layers, fused_cache.layers, strict=True):
+        assert a.keys.shape == b.keys.shape == (rows, 2, length + 1, 32)
+        torch.testing.assert_close(b.keys.float(), a.keys.float(), atol=tolerance * 4, rtol=tolerance)
+        torch.testing.assert_close(b.values.float(), a.values.float(), atol=tolerance * 4, rtol=tolerance)
+
+
+def test_other_layouts_keep_the_transformers_forward(caplog):
+    import transformers as tf
+
+    sliding = tf.MistralForCausalLM(tf.MistralConfig(**SHAPE, sliding_window=16))
+    gelu = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPE, hidden_act="gelu"))
+    gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(**SHAPE))
+    with caplog.at_level(logging.INFO, logger="artrl.local.fused_decode"):
+        assert [FusedDecode.of(m) for m in (sliding, gelu, gemma)] == [None, None, None]
+    assert "sliding-window" in caplog.text and "activation 'gelu'" in caplog.text
+
+    from peft import LoraConfig, get_peft_model
+
+    dora = get_peft_model(
+        _model("qwen3", torch.float32), LoraConfig(r=4, target_modules=TARGETS, use_dora=True)
+    )
+    fused = FusedDecode.of(dora)
+    assert fused is not None
+    with pytest.raises(TypeError, match="DoRA"):
+        fused.build()  # (the engine then logs it and decodes through the forward)
+
+
+async def _greedy(engine: HFEngine, prompts: list[list[int]]) -> list[list[int]]:
+    async def one(prompt):
+        stream = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0), 1)[0]
+        return [c.token_id async for c in stream]
+
+    return list(await asyncio.gather(*map(one, prompts)))
+
+
+async def test_the_engine_decodes_the_same_and_follows_a_weight_change(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    def load():
+        model = _lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+        use_cpu_attention(model)
+        return model
+
+    prompts = [list(range(10, 40)), [5, 17, 300, 42], list(range(200, 260))]
+    fused = HFEngine(load(), max_context=512, config=EngineConfig())
+    plain = HFEngine(load(), max_context=512, config=EngineConfig(fused_decode=False))
+    assert fused._fused is not None and plain._fused is None
+
+    def train(model):  # a "training step": the adapter's weights change
+        def step():
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.add_(0.5)
+
+        return step
+
+    try:
+        before = await _greedy(fused, prompts)
+        assert before == await _greedy(plain, prompts)
+        assert fused._fused is not None and fused._fused.ready  # it decoded them
+        await fused.run_exclusive(train(fused.model))
+        await plain.run_exclusive(train(plain.model))
+        after = await _greedy(fused, prompts)
+        assert after == await _greedy(plain, prompts)
+        assert after != before  # the new weights, not the fused copy of the old ones
+    finally:
+        await fused.close()
+        await plain.close()
