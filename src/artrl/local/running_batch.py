@@ -148,7 +148,10 @@ class RunningBatch:
         if not self.prefix_cache.enabled:
             return [None] * len(requests)
         matches = [self.prefix_cache.longest(r.prompt_ids) for r in requests]
-        unmatched = [r.prompt_ids for r, m in zip(requests, matches, strict=True) if m is None]
+        # (a joined request counts once per sequence: its prompt, shared by several, is worth caching too)
+        unmatched = [
+            r.prompt_ids for r, m in zip(requests, matches, strict=True) if m is None for _ in r.sequences
+        ]
         if len(unmatched) < 2:
             return matches
         shared = common_start(unmatched)
