@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from artrl.local.prefix_cache import PrefixCache
+from artrl.local.prefix_cache import PrefixCache, SharedStates
 
 
 def states(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -41,6 +41,35 @@ def test_short_prefixes_are_not_kept_and_the_budget_evicts_the_least_recently_us
     assert len(cache) == 0 and cache.longest([1] * 11) is None
 
 
+def test_entries_that_share_memory_count_it_once_and_free_it_with_the_last():
+    """A finished batch's rows copied in one block (views per entry): the block's bytes are counted while any
+    entry holds it, so the budget bounds the memory really held."""
+    entry = 2 * 10 * 16  # a 10-token entry of its own
+    cache = PrefixCache(
+        max_bytes=3 * entry + 2 * entry - 1, min_tokens=4
+    )  # a 3-row block + one entry + a bit
+    block = torch.zeros(3, 1, 10, 4)  # three rows, left-padded to 10 tokens
+    rows = [(1, 10), (2, 6), (3, 2)]
+    cache.put_shared(
+        [
+            ([r] * n, [block[i : i + 1, :, 10 - n :]], [block[i : i + 1, :, 10 - n :]])
+            for i, (r, n) in enumerate(rows)
+        ],
+        SharedStates(3 * entry),
+    )
+    assert len(cache) == 2 and cache._bytes == 3 * entry  # (the 2-token row: under min_tokens)
+    cache.put([4] * 10, *states(10))
+    assert cache.longest([1] * 11).length == 10  # least recently used now: 2, then 4, then 1
+    cache.put([5] * 10, *states(10))  # 2 goes (its block stays: 1 holds it), then 4
+    assert cache.longest([2] * 7) is None and cache.longest([4] * 11) is None
+    assert cache.longest([1] * 11).length == 10 and cache._bytes == 3 * entry + entry
+    cache.put([6] * 10, *states(10))  # 5 goes
+    cache.put([7] * 10, *states(10))  # 1 goes, the block's last holder: its memory is free again
+    assert cache.longest([1] * 11) is None and len(cache) == 2 and cache._bytes == 2 * entry
+    cache.clear()
+    assert cache._bytes == 0 and len(cache) == 0
+
+
 def test_the_block_index_finds_the_same_match_as_a_scan_of_every_entry():
     """Many entries sharing starts of every length (one system prompt, then agents and turns): the indexed
     lookup agrees with comparing the prompt against every entry, also after evictions."""
@@ -70,3 +99,34 @@ def _shared(entry: list[int], prompt: list[int]) -> int:
     while n < min(len(entry), len(prompt) - 1) and entry[n] == prompt[n]:
         n += 1
     return n
+
+
+def test_stacked_states_left_pad_each_rows_cached_start():
+    from artrl.local.kv_cache import left_pad
+    from artrl.local.prefix_cache import CachedPrefix, stacked_states
+
+    g = torch.Generator().manual_seed(0)
+
+    def entry(length: int) -> CachedPrefix:
+        return CachedPrefix(
+            tuple(range(length)),
+            [torch.randn(1, 2, length, 4, generator=g) for _ in range(3)],
+            [torch.randn(1, 2, length, 4, generator=g) for _ in range(3)],
+        )
+
+    a, b = entry(9), entry(5)
+    reused = [(a, 7), (None, 0), (b, 5), (a, 3)]  # rows reuse 7, none, 5 and 3 tokens
+    got = stacked_states(reused)
+    assert len(got) == 3
+    for layer, (keys, values) in enumerate(got):
+        for states, kind in ((keys, "keys"), (values, "values")):
+            expected = torch.cat(
+                [
+                    left_pad(getattr(e, kind)[layer][:, :, :n], 7, 2)
+                    if e is not None
+                    else torch.zeros(1, 2, 7, 4)
+                    for e, n in reused
+                ]
+            )  # (R, H, P, D)
+            assert torch.equal(states, expected)
+    assert stacked_states([(None, 0), (a, 0)]) == []

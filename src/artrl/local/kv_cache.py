@@ -170,11 +170,13 @@ class BatchCache:
     def value_states(self) -> list[torch.Tensor]:
         return [layer.values for layer in self.layers]
 
-    def row_states(self, row: int, start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of one row's keys and values from column `start` on: per layer (1, H, n, D)."""
+    def rows_states(self, rows: list[int], start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of some rows' keys and values from column `start` on, one operation per layer: per layer
+        (R, H, T - start, D)."""
+        index = torch.tensor(rows, device=self.layers[0].keys.device)
         return (
-            [k[row : row + 1, :, start:].clone() for k in self.key_states()],
-            [v[row : row + 1, :, start:].clone() for v in self.value_states()],
+            [k[:, :, start:].index_select(0, index) for k in self.key_states()],
+            [v[:, :, start:].index_select(0, index) for v in self.value_states()],
         )
 
     def add_rows(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

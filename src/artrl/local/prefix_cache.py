@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from artrl.local.kv_cache import left_pad
+
+@dataclass
+class SharedStates:
+    """Memory that several entries' keys and values are views of (the rows of one finished batch, copied
+    with one operation per layer): counted once, while any of them is in the cache."""
+
+    nbytes: int
+    holders: int = 0
 
 
 @dataclass
@@ -29,6 +36,7 @@ class CachedPrefix:
     keys: list[torch.Tensor]  # per layer (1, H, P, D)
     values: list[torch.Tensor]  # per layer (1, H, P, D)
     hashes: list[int] = field(default_factory=list)  # its block hashes, once it is in a cache's index
+    shared: SharedStates | None = None  # None: the tensors are its own
 
     def __post_init__(self) -> None:
         self.tensor = torch.tensor(self.ids, dtype=torch.long)  # (P,) for comparing with prompts
@@ -81,25 +89,52 @@ class PrefixCache:
 
     def put(self, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Hold the keys and values (per layer (1, H, len(ids), D), owned by the cache from now on)."""
-        if len(ids) < self.min_tokens:
+        self.put_shared([(ids, keys, values)], None)
+
+    def put_shared(
+        self,
+        entries: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]],
+        shared: SharedStates | None,
+    ) -> None:
+        """Hold several entries (ids, per-layer (1, H, len(ids), D) keys and values); with `shared`, their
+        tensors are views of that memory, counted once (and freed with the last of them)."""
+        entries = [e for e in entries if len(e[0]) >= self.min_tokens]
+        if not entries:
             return
-        entry = CachedPrefix(tuple(ids), keys, values)
-        size = entry.nbytes
+        made = [CachedPrefix(tuple(ids), keys, values, shared=shared) for ids, keys, values in entries]
+        size = shared.nbytes if shared is not None else sum(e.nbytes for e in made)
         if size > self.max_bytes:
             return
-        if entry.ids in self._entries:
-            self._drop(entry.ids)
+        for entry in made:
+            if entry.ids in self._entries:
+                self._drop(entry.ids)
         while self._entries and self._bytes + size > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        self._entries[entry.ids] = entry
-        self._bytes += size
-        entry.hashes = list(block_hashes(entry.ids, self.block))  # (kept: dropping it needs them again)
-        for h in entry.hashes:
-            self._index.setdefault(h, {})[entry.ids] = None
+        for entry in made:
+            if entry.ids in self._entries:  # (the same ids twice in one batch: the first one stays)
+                continue
+            self._entries[entry.ids] = entry
+            self._bytes += self._charge(entry)
+            entry.hashes = list(block_hashes(entry.ids, self.block))  # (kept: dropping it needs them again)
+            for h in entry.hashes:
+                self._index.setdefault(h, {})[entry.ids] = None
+
+    @staticmethod
+    def _charge(entry: CachedPrefix) -> int:
+        """Bytes the entry adds to the cache (its shared memory: only as its first holder)."""
+        if entry.shared is None:
+            return entry.nbytes
+        entry.shared.holders += 1
+        return entry.shared.nbytes if entry.shared.holders == 1 else 0
 
     def _drop(self, ids: tuple[int, ...]) -> None:
         entry = self._entries.pop(ids)
-        self._bytes -= entry.nbytes
+        if entry.shared is None:
+            self._bytes -= entry.nbytes
+        else:
+            entry.shared.holders -= 1
+            if entry.shared.holders == 0:
+                self._bytes -= entry.shared.nbytes
         for h in entry.hashes:
             holders = self._index.get(h)
             if holders is not None:
@@ -139,6 +174,9 @@ class PrefixCache:
         return best
 
     def clear(self) -> None:
+        for entry in self._entries.values():
+            if entry.shared is not None:
+                entry.shared.holders = 0
         self._entries.clear()
         self._index.clear()
         self._bytes = 0
@@ -146,19 +184,31 @@ class PrefixCache:
 
 def stacked_states(reused: list[tuple[CachedPrefix | None, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, (R, H, P, D) keys and values: row i holds the first n_i cached tokens of its entry,
-    left-padded to the longest (P); [] when no row reuses anything."""
+    left-padded to the longest (P); [] when no row reuses anything. A few operations per layer whatever the
+    rows (one concatenation, one scattered copy): an operation per row and layer handed the interpreter lock
+    to the agents' threads hundreds of times per prefill."""
     width = max(n for _, n in reused)
     if not width:
         return []
-    some = next(entry for entry, n in reused if entry is not None and n)  # (shapes for rows without)
-    rows = [(entry or some, n) for entry, n in reused]
-    return [
-        (
-            torch.cat([left_pad(entry.keys[layer][:, :, :n], width, 2) for entry, n in rows]),
-            torch.cat([left_pad(entry.values[layer][:, :, :n], width, 2) for entry, n in rows]),
-        )
-        for layer in range(len(some.keys))
-    ]
+    rows = [(i, entry, n) for i, (entry, n) in enumerate(reused) if entry is not None and n]
+    first = rows[0][1].keys[0]  # (1, H, P_entry, D)
+    heads, dim = first.shape[1], first.shape[3]
+    # where each cached token lands among the R·P positions: row i's n tokens in its last n columns
+    where = torch.tensor(
+        [i * width + width - n + t for i, _, n in rows for t in range(n)], device=first.device
+    )  # (N,)
+    out = []
+    for layer in range(len(rows[0][1].keys)):
+        pair = []
+        for kind in ("keys", "values"):
+            flat = torch.cat(
+                [getattr(entry, kind)[layer][0, :, :n] for _, entry, n in rows], dim=1
+            )  # (H, N, D)
+            padded = flat.new_zeros(heads, len(reused) * width, dim)  # (H, R·P, D)
+            padded.index_copy_(1, where, flat)
+            pair.append(padded.view(heads, len(reused), width, dim).transpose(0, 1))  # (R, H, P, D)
+        out.append((pair[0], pair[1]))
+    return out
 
 
 def common_start(prompts: list[list[int]]) -> int:

@@ -18,7 +18,14 @@ from transformers import DynamicCache
 from artrl.local.engine import SequenceStream
 from artrl.local.fused_decode import FusedDecode
 from artrl.local.kv_cache import BatchCache, left_pad
-from artrl.local.prefix_cache import CachedPrefix, PrefixCache, PrefixMatch, common_start, stacked_states
+from artrl.local.prefix_cache import (
+    CachedPrefix,
+    PrefixCache,
+    PrefixMatch,
+    SharedStates,
+    common_start,
+    stacked_states,
+)
 from artrl.local.sampling import SamplingError, SamplingParams, sample_rows
 
 log = logging.getLogger(__name__)
@@ -335,10 +342,26 @@ class RunningBatch:
         assert batch.cache is not None and batch.mask is not None
         counts = batch.mask.sum(1).tolist()  # (B,) each row's tokens in the cache
         width = batch.mask.shape[1]
-        for row in rows:
-            tokens = batch.sequences[row].tokens[: counts[row]]
-            if len(tokens) == counts[row]:  # (always: every unmasked column is a token of the sequence)
-                self.prefix_cache.put(tokens, *batch.cache.row_states(row, width - counts[row]))
+        # (always all: every unmasked column is a token of the sequence)
+        rows = [
+            r for r in rows if len(batch.sequences[r].tokens) >= counts[r] >= self.prefix_cache.min_tokens
+        ]
+        if not rows:
+            return
+        # one copy per layer for all the rows (a copy per row and layer handed the interpreter lock to the
+        # agents' threads hundreds of times, just when the finished rows woke them up); each entry a view
+        longest = max(counts[r] for r in rows)
+        keys, values = batch.cache.rows_states(rows, width - longest)  # per layer (R, H, longest, D)
+        shared = SharedStates(sum(t.numel() * t.element_size() for t in (*keys, *values)))
+        entries = []
+        for i, row in enumerate(rows):
+            n = counts[row]
+            views = (
+                [t[i : i + 1, :, longest - n :] for t in keys],
+                [t[i : i + 1, :, longest - n :] for t in values],
+            )
+            entries.append((batch.sequences[row].tokens[:n], *views))
+        self.prefix_cache.put_shared(entries, shared)
 
     def drop_finished(self) -> None:
         batch = self.batch
