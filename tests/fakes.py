@@ -133,3 +133,21 @@ def instrumented_model(inner, on_forward):
             )
 
     return Instrumented()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def adapted(model, rank: int = 8, alpha: int = 16):
+    """`model` under a PEFT LoRA whose B matrices are random (a fresh adapter adds nothing, which would hide a
+    wrong merge or fold); seeded, so two calls on equal models give equal adapters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(2)  # (lora_A's initialisation)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    return model

@@ -9,8 +9,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from artrl.local.cpu_attention import NAME, _math, cpu_attention, decode_attention, use_cpu_attention
 from artrl.local.merged_lora import MergedLora
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 class _Heads(torch.nn.Module):
     num_key_value_groups = 4
@@ -107,16 +105,10 @@ def test_a_model_switches_to_the_decode_attention_and_generates_the_same(tiny_mo
 
 
 def _lora_model(tiny_model_dir, dtype=torch.float32):
-    from peft import LoraConfig, get_peft_model
+    from fakes import adapted
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    return model
+    return adapted(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])

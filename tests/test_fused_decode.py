@@ -19,7 +19,6 @@ from artrl.local.kv_cache import BatchCache
 from artrl.local.merged_lora import MergedLora
 from artrl.local.sampling import SamplingParams
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPE = dict(
     vocab_size=300,
     hidden_size=64,
@@ -60,15 +59,9 @@ def _model(architecture: str, dtype: torch.dtype):
 
 
 def _lora(model):
-    from peft import LoraConfig, get_peft_model
+    from fakes import adapted
 
-    torch.manual_seed(2)  # (lora_A's initialisation)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    return model
+    return adapted(model, rank=4, alpha=8)
 
 
 def _cache(model, dtype, rows: int, length: int) -> BatchCache:
@@ -137,10 +130,11 @@ def test_other_layouts_keep_the_transformers_forward(caplog):
         assert [FusedDecode.of(m) for m in (sliding, gelu, gemma)] == [None, None, None]
     assert "sliding-window" in caplog.text and "activation 'gelu'" in caplog.text
 
+    from fakes import LORA_TARGETS
     from peft import LoraConfig, get_peft_model
 
     dora = get_peft_model(
-        _model("qwen3", torch.float32), LoraConfig(r=4, target_modules=TARGETS, use_dora=True)
+        _model("qwen3", torch.float32), LoraConfig(r=4, target_modules=LORA_TARGETS, use_dora=True)
     )
     fused = FusedDecode.of(dora)
     assert fused is not None
