@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from artrl.local.cpu_attention import decode_attention
 from artrl.local.kv_cache import BatchCache
-from artrl.local.merged_lora import mergeable
+from artrl.local.merged_lora import folded, mergeable
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,7 @@ def _effective(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not module.disable_adapters and not module.merged:  # the adapter runs beside W: fold it in
         if not mergeable(module):
             raise TypeError("a LoRA layer artrl cannot fold (a variant such as DoRA, or several adapters)")
-        delta = module.get_delta_weight(module.active_adapters[0])
-        weight = (weight.float() + delta.float()).to(weight.dtype)
+        weight = folded(module, weight).to(weight.dtype)
     return weight, base.bias
 
 
@@ -108,8 +107,7 @@ def _can_pack(dtype: torch.dtype) -> bool:
 class FusedDecode:
     """Decode steps for one model (see the module docstring); None from `of` where it does not apply."""
 
-    def __init__(self, model: Any, base: Any) -> None:
-        self._model = model
+    def __init__(self, base: Any) -> None:
         self._base = base  # the transformers ForCausalLM under any PEFT wrapper
         config = base.config
         self._heads = config.num_attention_heads
@@ -150,7 +148,7 @@ class FusedDecode:
         if why is not None:
             log.info("decode steps through the transformers forward: %s", why)
             return None
-        return cls(model, base)
+        return cls(base)
 
     @property
     def ready(self) -> bool:

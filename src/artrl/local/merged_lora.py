@@ -32,6 +32,12 @@ def mergeable(module: Any) -> bool:
     return adapter in module.lora_A and adapter not in module.lora_variant and not module.merged
 
 
+def folded(layer: Any, weight: torch.Tensor) -> torch.Tensor:
+    """weight + s·B·A of a mergeable layer's active adapter, summed in fp32 (the caller rounds it once)."""
+    delta = layer.get_delta_weight(layer.active_adapters[0])  # same shape as W
+    return torch.add(weight.float(), delta.float())
+
+
 def _keeping_requires_grad(layer: Any, toggle: Any, enabled: bool) -> None:
     """PEFT's enable_adapters also sets the adapter's requires_grad; which weights train is the trainer's
     business, so the flags stay as they were."""
@@ -73,15 +79,12 @@ class MergedLora:
         with torch.no_grad():
             for i, layer in enumerate(self._layers):
                 original = self._originals[i]
-                delta = layer.get_delta_weight(layer.active_adapters[0])  # same shape as W
                 merged = self._merged[i]
                 if merged is None:
                     merged = self._merged[i] = torch.nn.Parameter(
                         torch.empty_like(original), requires_grad=False
                     )
-                merged.copy_(
-                    torch.add(original.float(), delta.float())
-                )  # (fp32 sum, rounded once to W's dtype)
+                merged.copy_(folded(layer, original))  # (rounded once to W's dtype)
                 layer.base_layer.weight = merged
                 _keeping_requires_grad(layer, layer.enable_adapters, False)
         self.active = True

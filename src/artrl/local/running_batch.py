@@ -109,9 +109,8 @@ class RunningBatch:
         self._device = next(model.parameters()).device
         self.pending: list[Request] = []
         self.batch = _Batch()
-        self.fused: FusedDecode | None = (
-            None  # decode steps without the module tree, when built (the engine's)
-        )
+        # decode steps without the module tree, once built (set and built by the engine)
+        self.fused: FusedDecode | None = None
 
     @property
     def busy(self) -> bool:
