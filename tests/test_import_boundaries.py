@@ -72,6 +72,8 @@ LAYERS: dict[str, int] = {
     "artrl.local.service": 4,
     "artrl.local.checkpoints": 4,
     "artrl.local.serve_run": 4,
+    "artrl.local.row_renderer": 4,  # train_sft's rows rendered in worker processes too
+    "artrl.local.render_worker": 2,  # one such worker process (rows through the chat template)
     "artrl.local.backend": 5,
     "artrl.tiny": 5,
     "artrl.cli": 5,

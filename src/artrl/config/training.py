@@ -151,6 +151,12 @@ class SFTConfig(_Frozen):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="template variables for rendering the turns (e.g. enable_thinking)"
     )
+    render_workers: int | None = Field(
+        default=None,
+        ge=0,
+        description="processes that render conversations given as plain messages into rows beside the training "
+        "process, from 256 trajectories on (None: one per CPU beyond the first, at most 4; 0: none)",
+    )
 
 
 TrackerName = Literal["wandb", "tensorboard", "trackio"]

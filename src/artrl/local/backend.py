@@ -38,6 +38,7 @@ from artrl.trackers import Trackers, open_trackers
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
+    from artrl.local.row_renderer import RowRenderer
     from artrl.local.service import LocalService
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class LocalBackend:
         self._trackers: dict[tuple[str, str], Trackers] = {}
         # a step whose checkpoint failed to write: (step, history row), written before any further step
         self._unsaved: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+        self._renderer: RowRenderer | None = None  # (train_sft's render workers, started on first use)
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -231,7 +233,7 @@ class LocalBackend:
     async def train_sft(
         self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
     ) -> TrainResult:
-        from artrl.local.rows import trajectory_rows
+        from artrl.local.row_renderer import RowRenderer, sft_rows
 
         service = self.service(model)
         if not trajectories:
@@ -239,10 +241,8 @@ class LocalBackend:
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
             await self._write_unsaved(model, service, directory)
-            per_trajectory = [
-                trajectory_rows(t, i, service.chat_format, True, config.chat_template_kwargs)
-                for i, t in enumerate(trajectories)
-            ]
+            self._renderer = self._renderer or RowRenderer()
+            per_trajectory = await sft_rows(self._renderer, service.chat_format, trajectories, config)
             too_long = sum(len(r.ids) > service.max_context for rows in per_trajectory for r in rows)
             per_trajectory = [
                 [r for r in rows if len(r.ids) <= service.max_context] for rows in per_trajectory
@@ -377,6 +377,8 @@ class LocalBackend:
             return await delete_unkept(self.directory(model), retention)
 
     async def close(self) -> None:
+        if self._renderer is not None:
+            await asyncio.to_thread(self._renderer.close)
         services, self._services = list(self._services.values()), {}
         trackers, self._trackers = list(self._trackers.values()), {}
         for service in services:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from artrl.local.chat_format.control_marks import ControlMarks
 from artrl.local.chat_format.families import Family, detect_family, family_named, response_template
 from artrl.local.chat_format.output import OutputParser, raw_call_template
 
@@ -179,9 +180,8 @@ class ChatFormat:
         )
 
     @cached_property
-    def _control_re(self) -> re.Pattern[str]:
-        longest_first = sorted(self.control_tokens, key=len, reverse=True)
-        return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+    def _marks(self) -> ControlMarks:
+        return ControlMarks(self.control_tokens)
 
     @cached_property
     def _template_text(self) -> str:
@@ -189,9 +189,7 @@ class ChatFormat:
         return template if isinstance(template, str) else json.dumps(template)
 
     def _marked(self, value: Any) -> Any:
-        from transformers.utils.chat_template_utils import mark_control_tokens
-
-        return mark_control_tokens(value, self._control_re)
+        return self._marks.mark(value)
 
     # ------------------------------------------------------------------ rendering and encoding
     def check_kwargs(self, kwargs: dict[str, Any]) -> None:
@@ -237,14 +235,25 @@ class ChatFormat:
         return list(_remembered(self._encoded, (text, start), lambda: tuple(self._encode(text, start))))
 
     def _encode(self, text: str, start: bool) -> list[int]:
-        encode = self.tokenizer
+        sanitize = self._marks.needs_sanitizing(text)
+
+        def encode(piece: str) -> list[int]:
+            if sanitize:
+                return self.tokenizer(piece, add_special_tokens=False, sanitize_control_tokens=True)[
+                    "input_ids"
+                ]
+            return self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+
         if start:
-            return encode(text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
-        newline = encode("\n", add_special_tokens=False)["input_ids"]
-        ids = encode("\n" + text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
-        if ids[: len(newline)] == newline:
-            return ids[len(newline) :]
-        return encode(text, add_special_tokens=False, sanitize_control_tokens=True)["input_ids"]
+            return encode(text)
+        ids = encode("\n" + text)
+        if ids[: len(self._newline)] == self._newline:
+            return ids[len(self._newline) :]
+        return encode(text)
+
+    @cached_property
+    def _newline(self) -> list[int]:
+        return self.tokenizer("\n", add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------------ tool calls
     def tool_call_prefix(
@@ -253,15 +262,18 @@ class ChatFormat:
         tools: list[dict[str, Any]] | None,
         kwargs: dict[str, Any] | None,
         name: str | None,
+        prompt: str | None = None,
     ) -> str | None:
         """Text after the generation prompt that makes the model call a tool, read off the template itself
         (how it renders an assistant turn holding one call): up to the function name when any tool may be
         called; for a named function through the name and up to its first argument. The cut falls on a token
         boundary of the rendered call, so prompt + sampled ids tokenise like the rendering. None when the
-        template does not write a call as a continuation of the generation prompt."""
+        template does not write a call as a continuation of the generation prompt. `prompt`: the messages
+        rendered with the generation prompt, where the caller has it."""
         if response_template(self.family.name) is None:
             return None
-        prompt = self.render(messages, tools, True, kwargs)
+        if prompt is None:
+            prompt = self.render(messages, tools, True, kwargs)
 
         def span(function: str, arguments: dict[str, Any]) -> str | None:
             call = {

@@ -18,6 +18,7 @@ import json
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ class Prompt:
     ids: list[int]
     source: Literal["continuation", "rendered"]
     text: str = ""  # the rendered prompt (what the output parser reads its context from)
+    messages: list[dict] | None = None  # those rendered (with the reasoning passed back, where it was)
 
 
 _AMBIGUOUS = StoredCompletion(array("i"), array("i"))
@@ -108,8 +110,10 @@ class PromptBuilder:
         messages: list[dict],
         tools: list[dict] | None,
         kwargs: dict[str, Any] | None = None,
-        forced: str = "",
+        forced: Callable[[list[dict], str], str] | None = None,
     ) -> Prompt:
+        """The prompt ids of a request; `forced(messages, prompt text)`: text the model's turn starts with
+        (a forced tool call), appended to the ids."""
         kwargs = kwargs or {}
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         stored = None
@@ -131,9 +135,10 @@ class PromptBuilder:
                 source = "continuation"
         if ids is None:
             ids = self.format.encode(text)
-        if forced:
-            ids += self.format.encode(forced, start=False)
-        return Prompt(ids, source, text)  # type: ignore[arg-type]
+        opening = forced(messages, text) if forced is not None else ""
+        if opening:
+            ids += self.format.encode(opening, start=False)
+        return Prompt(ids, source, text, messages)  # type: ignore[arg-type]
 
     def remember(
         self,

@@ -99,8 +99,13 @@ class ChatServing:
             raise RequestError(str(exc), param="chat_template_kwargs", code="unsupported_parameter") from None
         tool_names = {t["function"]["name"] for t in tools or []}
         use_tools = bool(tools) and request.tool_choice != "none"
-        forced = self._forced(request, messages, tools, kwargs) if use_tools else ""
-        prompt = self.builder.build(messages, tools, kwargs, forced)
+        opening: list[str] = [""]  # (what the forced call's turn starts with, once the prompt is rendered)
+
+        def forced(rendered: list[dict], text: str) -> str:
+            opening[0] = self._forced(request, rendered, tools, kwargs, text)
+            return opening[0]
+
+        prompt = self.builder.build(messages, tools, kwargs, forced if use_tools else None)
         room = self.engine.max_context - len(prompt.ids)
         if room <= 0:
             raise RequestError(
@@ -135,7 +140,7 @@ class ChatServing:
             kwargs,
             prompt,
             params,
-            forced,
+            opening[0],
             stops,
             tool_names if use_tools else set(),
             one_call=use_tools and request.parallel_tool_calls is False,
@@ -143,13 +148,18 @@ class ChatServing:
         )
 
     def _forced(
-        self, request: ChatRequest, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]
+        self,
+        request: ChatRequest,
+        messages: list[dict],
+        tools: list[dict] | None,
+        kwargs: dict[str, Any],
+        prompt: str,
     ) -> str:
         choice = request.tool_choice
         if choice != "required" and not isinstance(choice, NamedToolChoice):
             return ""
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        forced = self.builder.format.tool_call_prefix(messages, tools, kwargs, name)
+        forced = self.builder.format.tool_call_prefix(messages, tools, kwargs, name, prompt)
         if forced is None:
             raise RequestError(
                 f"tool_choice={'required' if name is None else 'a named function'} is not supported for this "

@@ -1,0 +1,61 @@
+"""Control tokens in text that came from messages, marked so that they encode as plain text.
+
+transformers marks them (`mark_control_tokens`: each control token inside a string of the messages, tools or
+template variables gets private-use markers around it) and encodes the rendered text piece by piece between
+the markers (`sanitize_control_tokens=True`). Both cost a walk over everything, on every render and encode,
+while almost no conversation holds a control token. `ControlMarks` gives the same results: it hands back the
+value itself where the walk would only copy it (a check that only searches the strings), and encodes text
+without markers in one piece.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from transformers.utils import chat_template_utils
+
+# the markers transformers puts around a marked token (None: this transformers names them otherwise, and
+# every value is walked and every text encoded piecewise, as before)
+MARKERS: tuple[str, ...] | None = (
+    tuple(
+        m
+        for m in (
+            getattr(chat_template_utils, n, None) for n in ("_CONTROL_TOKEN_START", "_CONTROL_TOKEN_END")
+        )
+        if isinstance(m, str) and m
+    )
+    or None
+)
+
+
+class ControlMarks:
+    def __init__(self, control_tokens: tuple[str, ...]) -> None:
+        longest_first = sorted(control_tokens, key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): never matches
+        markers = MARKERS or ()
+        self._markers = re.compile("|".join(map(re.escape, markers)) or "(?!)")
+        self._anything = re.compile("|".join(map(re.escape, [*longest_first, *markers])) or "(?!)")
+
+    def mark(self, value: Any) -> Any:
+        """`mark_control_tokens(value)`: the value itself where that would only copy it."""
+        if MARKERS is not None and self._unmarked(value):
+            return value
+        return chat_template_utils.mark_control_tokens(value, self.pattern)
+
+    def _unmarked(self, value: Any) -> bool:
+        """Whether mark_control_tokens would return a plain copy of `value`: no string in it holds a control
+        token or a marker, and it holds no tuple or subclass that the walk would turn into a list, dict or str."""
+        kind = type(value)
+        if kind is str:
+            return self._anything.search(value) is None
+        if kind is dict:
+            return all(self._unmarked(v) for v in value.values())
+        if kind is list:
+            return all(self._unmarked(v) for v in value)
+        return not isinstance(value, (str, dict, list, tuple))  # (other values are left as they are)
+
+    def needs_sanitizing(self, text: str) -> bool:
+        """Whether encoding rendered `text` must go piecewise (`sanitize_control_tokens`): text without a
+        marker encodes the same either way."""
+        return MARKERS is None or self._markers.search(text) is not None
