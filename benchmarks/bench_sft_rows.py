@@ -149,27 +149,25 @@ def main() -> int:
         "every mode (checked)",
         f"- Command: `{harness.command_line()}`; wall time {time.perf_counter() - started:.0f} s",
         "",
-        "| SFT rows | seconds (median) | vs before | per round |",
+        "| SFT rows | seconds (median) | speed vs before | per round |",
         "|---|---:|---:|---|",
     ]
     for mode in modes:
         median = statistics.median(seconds[mode])
         runs = ", ".join(f"{v:.2f}" for v in seconds[mode])
-        lines.append(f"| {mode} | {median:.2f} | {base / median:.2f}x faster | {runs} |")
+        lines.append(f"| {mode} | {median:.2f} | {base / median:.2f}x | {runs} |")
     before_ms = statistics.median(prepare[BEFORE])
     lines += [
         "",
         f"Gateway preparation of a forced tool call (maze agent, 10 messages; {renders} chat-template renders per "
         "request, one fewer than before: the forced call's opening is read off the prompt already rendered):",
         "",
-        "| gateway prepare | ms (median of 300) | vs before |",
+        "| gateway prepare | ms (median of 300) | speed vs before |",
         "|---|---:|---:|",
     ]
     for mode in (BEFORE, CHECKED):
         median = statistics.median(prepare[mode])
-        lines.append(
-            f"| {mode.replace(', 1 thread', '')} | {median:.2f} | {before_ms / median:.2f}x faster |"
-        )
+        lines.append(f"| {mode.replace(', 1 thread', '')} | {median:.2f} | {before_ms / median:.2f}x |")
     lines.append("")
     return harness.publish("\n".join(lines), args.out, SECTION_HEADING)
 
