@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import threading
 
 import pytest
 
@@ -110,3 +111,32 @@ def test_a_worker_that_fails_leaves_its_chunk_to_this_process(tokenizer, rendere
     assert as_data(rows) == as_data(renderer.rows(trajectories, fmt, {}, 0))
     assert "rendered in the training process" in caplog.text
     assert not renderer._workers[0].alive
+
+
+class FormatOfThisTestModule(ChatFormat):
+    """A chat format a worker process cannot unpickle (its class lives in this test module)."""
+
+
+def test_a_chat_format_a_worker_cannot_load_is_rendered_here(tokenizer, renderer, caplog):
+    plain = ChatFormat.for_tokenizer(tokenizer)
+    fmt = FormatOfThisTestModule(
+        plain.tokenizer, plain.family, plain.detected_by, plain.stop_ids, plain.variables
+    )
+    trajectories = [conversation(i) for i in range(PARALLEL_FROM)]
+    with caplog.at_level(logging.WARNING, logger="artrl.local.row_renderer"):
+        rows = renderer.rows(trajectories, fmt, {}, 1)
+    assert as_data(rows) == as_data(renderer.rows(trajectories, plain, {}, 0))
+    assert "cannot load the chat format" in caplog.text
+    assert (
+        renderer._workers[0].alive and len(renderer._unloadable) == 1
+    )  # (the next call renders here at once)
+
+
+def test_trajectories_that_do_not_pickle_are_rendered_here(tokenizer, renderer, caplog):
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    trajectories = [conversation(i) for i in range(PARALLEL_FROM)]
+    trajectories[0].metadata["lock"] = threading.Lock()  # (a worker's first chunk: it cannot be sent)
+    with caplog.at_level(logging.WARNING, logger="artrl.local.row_renderer"):
+        rows = renderer.rows(trajectories, fmt, {}, 1)
+    assert as_data(rows) == as_data(renderer.rows(trajectories, fmt, {}, 0))
+    assert "cannot be sent" in caplog.text and renderer._workers[0].alive

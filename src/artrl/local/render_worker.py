@@ -3,7 +3,7 @@ into training rows, turn by turn through the chat template, beside the process t
 
 Requests on stdin, one pickle each: (format key, the pickled ChatFormat or None when this process has it
 already, trajectories, index of the first, template kwargs). Replies on the original stdout, one pickle
-each: ("ok", rows of each trajectory) or ("error", the exception). Whatever a library prints goes to stderr.
+each: ("ok", rows of each trajectory, ""), ("error", the exception, its traceback) or ("no format", None, why). Whatever a library prints goes to stderr.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import traceback
 
 
 def main() -> None:
@@ -26,22 +27,38 @@ def main() -> None:
             key, blob, trajectories, start, kwargs = pickle.load(requests)
         except EOFError:  # (the renderer closed: the backend is closing)
             return
-        try:
-            if blob is not None:
-                chat_format, format_key = pickle.loads(blob), key
-            if format_key != key:
-                raise RuntimeError("the row renderer sent no chat format for this call")
-            rows = [
-                trajectory_rows(t, start + i, chat_format, True, kwargs) for i, t in enumerate(trajectories)
-            ]
-            reply = pickle.dumps(("ok", rows))
-        except Exception as exc:
-            try:
-                reply = pickle.dumps(("error", exc))
-            except Exception:  # (an exception that does not pickle: its text)
-                reply = pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
-        replies.write(reply)
+        reply = _answer(trajectory_rows, key, blob, trajectories, start, kwargs, (chat_format, format_key))
+        if reply[0] != "no format" and blob is not None:
+            chat_format, format_key = reply[3], key
+        replies.write(_pickled(reply[:3]))
         replies.flush()
+
+
+def _answer(trajectory_rows, key, blob, trajectories, start, kwargs, held) -> tuple:
+    """(status, value, detail, the chat format used): "ok" with the rows, "error" with the exception and its
+    traceback, or "no format" when the chat format does not load here (a tokenizer class this process
+    cannot import)."""
+    chat_format, format_key = held
+    if blob is not None:
+        try:
+            chat_format, format_key = pickle.loads(blob), key
+        except Exception as exc:
+            return ("no format", None, f"{type(exc).__name__}: {exc}", None)
+    if format_key != key:
+        return ("no format", None, "the renderer sent no chat format for this call", None)
+    try:
+        rows = [trajectory_rows(t, start + i, chat_format, True, kwargs) for i, t in enumerate(trajectories)]
+        return ("ok", rows, "", chat_format)
+    except Exception as exc:
+        return ("error", exc, traceback.format_exc(), chat_format)
+
+
+def _pickled(reply: tuple) -> bytes:
+    try:
+        return pickle.dumps(reply)
+    except Exception:  # (an exception that does not pickle: its text)
+        status, value, detail = reply
+        return pickle.dumps((status, RuntimeError(f"{type(value).__name__}: {value}"), detail))
 
 
 if __name__ == "__main__":

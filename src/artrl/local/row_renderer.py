@@ -11,6 +11,7 @@ through the same function. A worker that fails or stops answering is stopped; it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -36,47 +37,68 @@ CHUNK_TIMEOUT_S = 600.0  # one chunk's answer (~0.2 s of work; the first one inc
 
 
 def default_workers() -> int:
-    """One worker per CPU beyond the first, at most MAX_WORKERS (none on one CPU)."""
-    return max(0, min(MAX_WORKERS, (os.cpu_count() or 1) - 1))
+    """One worker per CPU this process may use beyond the first, at most MAX_WORKERS (none on one CPU)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on this platform)
+        cpus = os.cpu_count() or 1
+    return max(0, min(MAX_WORKERS, cpus - 1))
 
 
 class WorkerFailed(RuntimeError):
-    """A render worker died, sent something unreadable or did not answer in time."""
+    """A render worker could not do a chunk: it died, sent something unreadable, did not answer in time, or
+    could not load the chat format or the request. The chunk is rendered in this process instead."""
+
+
+class FormatUnloadable(WorkerFailed):
+    """The worker cannot load this chat format (a tokenizer class it cannot import): it stays usable."""
+
+
+class Unshippable(WorkerFailed):
+    """These trajectories do not pickle (objects in their metadata): the worker stays usable."""
 
 
 class _Worker:
     def __init__(self) -> None:
-        source = str(Path(__file__).resolve().parents[2])  # (the folder holding the artrl package)
-        path = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.process = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
+            self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
-        self.format_key: str | None = None  # the chat format the worker holds
+        self.format_key: str | None = None  # the chat format the worker holds (after an answer that says so)
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "artrl.local.render_worker"]
+        # artrl from wherever this process has it: appended, so that an installed package's folder does not
+        # come before the standard library
+        source = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path.append({source!r}); from artrl.local.render_worker import main; main()"
+        return [sys.executable, "-c", code]
 
     def render(
         self, key: str, blob: bytes, trajectories: list[Trajectory], start: int, kwargs: dict[str, Any]
     ) -> list[list[Row]]:
         assert self.process.stdin is not None and self.process.stdout is not None
-        request = (key, None if key == self.format_key else blob, trajectories, start, kwargs)
+        try:  # (in memory first: a request that does not pickle never leaves half of itself in the pipe)
+            request = pickle.dumps(
+                (key, None if key == self.format_key else blob, trajectories, start, kwargs)
+            )
+        except Exception as exc:
+            raise Unshippable(f"these trajectories cannot be sent to a render worker: {exc}") from exc
         try:
-            pickle.dump(request, self.process.stdin)
+            self.process.stdin.write(request)
             self.process.stdin.flush()
-            self.format_key = key
-            ready, _, _ = select.select([self.process.stdout], [], [], CHUNK_TIMEOUT_S)
-            if not ready:
+            answer = select.poll()
+            answer.register(self.process.stdout, select.POLLIN)
+            if not answer.poll(CHUNK_TIMEOUT_S * 1000):
                 raise TimeoutError(f"no answer in {CHUNK_TIMEOUT_S:.0f} s")
-            status, value = pickle.load(self.process.stdout)
-        except (OSError, EOFError, pickle.UnpicklingError, TimeoutError) as exc:
+            status, value, detail = pickle.load(self.process.stdout)
+        except Exception as exc:  # (a dead or closed pipe, a reply that does not unpickle, the timeout)
             self.stop()
             raise WorkerFailed(f"render worker {self.process.pid}: {type(exc).__name__}: {exc}") from exc
+        if status == "no format":
+            raise FormatUnloadable(f"render worker {self.process.pid} cannot load the chat format: {detail}")
+        self.format_key = key
         if status == "error":
+            value.add_note(f"(raised in render worker {self.process.pid}:)\n{detail}")
             raise value
         return value
 
@@ -88,6 +110,10 @@ class _Worker:
         if self.alive:
             self.process.kill()
         self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 class RowRenderer:
@@ -96,16 +122,24 @@ class RowRenderer:
     def __init__(self) -> None:
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()  # one call at a time uses the workers
+        self._unloadable: set[str] = set()  # chat formats a worker could not load (rendered here)
 
     def rows(
         self, trajectories: list[Trajectory], chat_format: ChatFormat, kwargs: dict[str, Any], workers: int
     ) -> list[list[Row]]:
         """Blocking: call it from a thread of its own (with a chat format no other thread uses) where
         `parallel(len(trajectories), workers)`, else on any thread."""
-        if not self.parallel(len(trajectories), workers):
-            return [trajectory_rows(t, i, chat_format, True, kwargs) for i, t in enumerate(trajectories)]
-        with self._lock:
-            return self._shared_out(trajectories, chat_format, kwargs, self._started(workers))
+        if self.parallel(len(trajectories), workers):
+            try:
+                blob = pickle.dumps(chat_format)
+            except Exception as exc:  # (a tokenizer that does not pickle)
+                log.warning("the chat format cannot be sent to render workers (%s); rendering here", exc)
+            else:
+                key = hashlib.sha256(blob).hexdigest()
+                if key not in self._unloadable:
+                    with self._lock:
+                        return self._shared_out(trajectories, chat_format, kwargs, key, blob, workers)
+        return [trajectory_rows(t, i, chat_format, True, kwargs) for i, t in enumerate(trajectories)]
 
     @staticmethod
     def parallel(count: int, workers: int) -> bool:
@@ -114,24 +148,39 @@ class RowRenderer:
     def _started(self, count: int) -> list[_Worker]:
         self._workers = [w for w in self._workers if w.alive]
         while len(self._workers) < count:
-            self._workers.append(_Worker())
+            try:
+                self._workers.append(_Worker())
+            except OSError as exc:
+                log.warning("a render worker could not start (%s); rendering with fewer", exc)
+                break
         return self._workers[:count]
 
     def _shared_out(
-        self, trajectories: list[Trajectory], fmt: ChatFormat, kwargs: dict[str, Any], workers: list[_Worker]
+        self,
+        trajectories: list[Trajectory],
+        fmt: ChatFormat,
+        kwargs: dict[str, Any],
+        key: str,
+        blob: bytes,
+        count: int,
     ) -> list[list[Row]]:
-        blob = pickle.dumps(fmt)
-        key = hashlib.sha256(blob).hexdigest()
+        workers = self._started(count)
         n = len(trajectories)
         size = max(16, min(128, n // (8 * (len(workers) + 1))))
         chunks = deque(range(0, n, size))  # chunk starts: workers take from the front, this thread the back
         done: dict[int, list[list[Row]]] = {}
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []  # (chunk start, what rendering it raised)
         lock = threading.Lock()
+
+        here: list[int] = []  # chunks a worker handed back: this thread renders them
 
         def take(front: bool) -> int | None:
             with lock:
-                if errors or not chunks:
+                if errors:
+                    return None
+                if not front and here:
+                    return here.pop()
+                if not chunks:
                     return None
                 return chunks.popleft() if front else chunks.pop()
 
@@ -142,10 +191,13 @@ class RowRenderer:
                 except WorkerFailed as exc:
                     log.warning("%s; its trajectories are rendered in the training process", exc)
                     with lock:
-                        chunks.appendleft(start)
-                    return
+                        here.append(start)
+                    if isinstance(exc, FormatUnloadable):
+                        self._unloadable.add(key)
+                    if not isinstance(exc, Unshippable):
+                        return
                 except BaseException as exc:
-                    errors.append(exc)
+                    errors.append((start, exc))
                     return
 
         threads = [threading.Thread(target=feed, args=(w,), daemon=True) for w in workers]
@@ -154,29 +206,36 @@ class RowRenderer:
         try:
             for _ in range(2):  # (the second pass: chunks handed back by a worker that failed meanwhile)
                 while (start := take(front=False)) is not None:
-                    part = trajectories[start : start + size]
-                    done[start] = [
-                        trajectory_rows(t, start + i, fmt, True, kwargs) for i, t in enumerate(part)
-                    ]
+                    try:
+                        part = trajectories[start : start + size]
+                        done[start] = [
+                            trajectory_rows(t, start + i, fmt, True, kwargs) for i, t in enumerate(part)
+                        ]
+                    except Exception as exc:
+                        errors.append((start, exc))
                 _join(threads, workers)
-        except BaseException as exc:
-            errors.append(exc)
+        except BaseException:  # (KeyboardInterrupt: the feeding threads end with their chunk)
+            with lock:
+                chunks.clear()
+                here.clear()
             _join(threads, workers)
+            raise
         if errors:
-            raise errors[0]
+            raise min(errors, key=lambda e: e[0])[1]  # (the earliest trajectory's, as one thread would raise)
         return [rows for start in sorted(done) for rows in done[start]]
 
     def close(self) -> None:
-        """Stop the workers (each ends at the end of its input)."""
-        workers, self._workers = self._workers, []
+        """Stop the workers (each ends at the end of its input), after a render in flight."""
+        with self._lock:
+            workers, self._workers = self._workers, []
         for worker in workers:
             if worker.process.stdin is not None:
-                worker.process.stdin.close()
+                with contextlib.suppress(OSError):
+                    worker.process.stdin.close()
         for worker in workers:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                worker.stop()
+            worker.stop()
 
 
 async def sft_rows(

@@ -39,7 +39,6 @@ class Prompt:
     ids: list[int]
     source: Literal["continuation", "rendered"]
     text: str = ""  # the rendered prompt (what the output parser reads its context from)
-    messages: list[dict] | None = None  # those rendered (with the reasoning passed back, where it was)
 
 
 _AMBIGUOUS = StoredCompletion(array("i"), array("i"))
@@ -138,7 +137,7 @@ class PromptBuilder:
         opening = forced(messages, text) if forced is not None else ""
         if opening:
             ids += self.format.encode(opening, start=False)
-        return Prompt(ids, source, text, messages)  # type: ignore[arg-type]
+        return Prompt(ids, source, text)  # type: ignore[arg-type]
 
     def remember(
         self,
