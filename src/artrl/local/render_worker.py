@@ -1,5 +1,5 @@
-"""The process a `RowRenderer` starts (`python -m artrl.local.render_worker`): it turns chunks of trajectories
-into training rows, turn by turn through the chat template, beside the process that trains.
+"""The process a `RowRenderer` starts (it runs `main()`): it turns chunks of trajectories into training rows,
+turn by turn through the chat template, beside the process that trains.
 
 Requests on stdin, one pickle each: (format key, the pickled ChatFormat or None when this process has it
 already, trajectories, index of the first, template kwargs). Replies on the original stdout, one pickle

@@ -39,6 +39,7 @@ class Prompt:
     ids: list[int]
     source: Literal["continuation", "rendered"]
     text: str = ""  # the rendered prompt (what the output parser reads its context from)
+    opening: str = ""  # text the model's turn starts with (a forced tool call), its ids already in `ids`
 
 
 _AMBIGUOUS = StoredCompletion(array("i"), array("i"))
@@ -137,7 +138,7 @@ class PromptBuilder:
         opening = forced(messages, text) if forced is not None else ""
         if opening:
             ids += self.format.encode(opening, start=False)
-        return Prompt(ids, source, text)  # type: ignore[arg-type]
+        return Prompt(ids, source, text, opening)  # type: ignore[arg-type]
 
     def remember(
         self,

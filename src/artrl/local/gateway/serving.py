@@ -99,11 +99,9 @@ class ChatServing:
             raise RequestError(str(exc), param="chat_template_kwargs", code="unsupported_parameter") from None
         tool_names = {t["function"]["name"] for t in tools or []}
         use_tools = bool(tools) and request.tool_choice != "none"
-        opening: list[str] = [""]  # (what the forced call's turn starts with, once the prompt is rendered)
 
         def forced(rendered: list[dict], text: str) -> str:
-            opening[0] = self._forced(request, rendered, tools, kwargs, text)
-            return opening[0]
+            return self._forced(request, rendered, tools, kwargs, text)
 
         prompt = self.builder.build(messages, tools, kwargs, forced if use_tools else None)
         room = self.engine.max_context - len(prompt.ids)
@@ -140,7 +138,7 @@ class ChatServing:
             kwargs,
             prompt,
             params,
-            opening[0],
+            prompt.opening,
             stops,
             tool_names if use_tools else set(),
             one_call=use_tools and request.parallel_tool_calls is False,
