@@ -224,3 +224,87 @@ async def test_scripted_tool_calls_and_api_key(tokenizer):
         assert row.ids == second.prompt_token_ids + second.token_ids
     finally:
         service.server.stop()
+
+
+class LossyRelay:
+    """A TCP relay to a gateway that loses the answer to the first capture open and the first close: the
+    gateway acts on them, but the connection drops before the client reads the answer."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.to_lose = [b"POST /v1/captures ", b"DELETE /v1/captures/"]
+        self.lost: list[bytes] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.relay, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
+
+    async def relay(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
+        gateway_in, gateway_out = await asyncio.open_connection("127.0.0.1", self.target_port)
+        losing = asyncio.Event()
+
+        async def requests() -> None:
+            while chunk := await client_in.read(65536):
+                for start in list(self.to_lose):
+                    if chunk.startswith(start):
+                        self.to_lose.remove(start)
+                        self.lost.append(start)
+                        losing.set()
+                gateway_out.write(chunk)
+                await gateway_out.drain()
+            gateway_out.close()
+
+        async def answers() -> None:
+            while chunk := await gateway_in.read(65536):
+                if losing.is_set():
+                    break  # the gateway answered; the client never sees it
+                client_out.write(chunk)
+                await client_out.drain()
+            client_out.close()
+
+        pump = asyncio.ensure_future(requests())
+        await answers()
+        pump.cancel()
+        gateway_out.close()
+
+
+async def test_a_lost_answer_to_opening_or_closing_is_asked_again(tokenizer):
+    """Opening and closing a capture are retried when no answer comes back: the block still opens, and the
+    second close returns the records the first one took (the gateway keeps them for a grace period)."""
+    from fakes import ScriptedEngine
+
+    from artrl.local.service import LocalService
+
+    engine = ScriptedEngine()
+    service = LocalService.serve("scripted", None, tokenizer, engine, EngineConfig(), GatewayConfig())
+    relay = LossyRelay(service.server.port)
+    try:
+        lossy = types.SimpleNamespace(inference_base_url=await relay.start(), inference_api_key="x")
+        engine.scripts = [encode(tokenizer, "Hello.<|im_end|>")]
+        async with artrl.capture(lossy) as cap:
+            await cap.openai_client(max_retries=0).chat.completions.create(
+                model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+            )
+        assert relay.lost == [b"POST /v1/captures ", b"DELETE /v1/captures/"]
+        assert [m["content"] for m in cap.trajectory.messages()] == ["Hi", "Hello."]
+        assert cap.trajectory.choices()[0].token_ids == encode(tokenizer, "Hello.<|im_end|>")
+    finally:
+        relay.server.close()
+        service.server.stop()
+
+
+async def test_a_gateway_that_never_answers_is_a_clear_error():
+    """Nothing listening (or nothing answering) at the model's URL: a CaptureError that says so, after the
+    tries, not a bare transport error."""
+    held = []  # its connections, kept open
+    listener = await asyncio.start_server(lambda r, w: held.append(w), "127.0.0.1", 0)  # never answers
+    port = listener.sockets[0].getsockname()[1]
+    silent = types.SimpleNamespace(inference_base_url=f"http://127.0.0.1:{port}/v1", inference_api_key="x")
+    try:
+        with pytest.raises(
+            artrl.CaptureError, match=r"no answer from the gateway .* after 3 tries \(ReadTimeout"
+        ):
+            async with artrl.capture(silent, timeout=0.2):
+                pass
+    finally:
+        listener.close()

@@ -125,8 +125,13 @@ def assert_same_step(one: tuple, two: tuple) -> None:
             [x for x in row1 if x is not None], abs=1e-5
         )
     assert weights1.keys() == weights2.keys()
-    for name in weights1:  # (AdamW's update g/√v of a near-zero gradient amplifies rounding: seen ≤ 5e-6)
-        assert torch.allclose(weights2[name], weights1[name], atol=1e-3 * LR), name
+    for name in weights1:
+        # AdamW's first update is LR·g/(|g|+eps): an element whose gradient nearly cancels to ~eps turns the
+        # summation order's rounding into up to LR of difference (seen: 7e-5, on 2 of 1.5k elements at most);
+        # the gradients themselves are compared through the optimizer's moments (assert_same_optimizer)
+        off = (weights2[name] - weights1[name]).abs() > 1e-3 * LR
+        assert int(off.sum()) <= max(2, off.numel() // 200), (name, int(off.sum()))
+        assert torch.allclose(weights2[name], weights1[name], atol=2 * LR), name
 
 
 def assert_same_optimizer(path1: Path, path2: Path) -> None:

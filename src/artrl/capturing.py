@@ -13,6 +13,7 @@ Calls are recorded by the gateway (exact token ids included), not by patching an
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -44,7 +45,11 @@ _active: contextvars.ContextVar[tuple[Capture, ...]] = contextvars.ContextVar("a
 
 
 class CaptureError(RuntimeError):
-    """The gateway refused to open or close a capture."""
+    """The gateway refused to open or close a capture, or could not be reached to do it."""
+
+
+TRIES = 3  # of opening or closing a capture, when the request gets no answer (a timeout, a lost connection)
+_NO_ANSWER = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
 class Capture:
@@ -112,19 +117,42 @@ def _check(response: httpx.Response, action: str) -> dict[str, Any]:
     return response.json()
 
 
+async def _ask(http: httpx.AsyncClient, method: str, url: str, action: str) -> dict[str, Any]:
+    """The gateway's answer to one capture request, asked up to TRIES times while no answer comes back.
+
+    Both requests are safe to repeat: opening again leaves at most an unused capture, which the gateway
+    drops once it idles; closing again returns the same records (the gateway keeps a closed capture's
+    records for a grace period for exactly this). An answer that refuses (HTTP 4xx/5xx) is not retried."""
+    for attempt in range(1, TRIES + 1):
+        try:
+            response = await http.request(method, url)
+        except _NO_ANSWER as exc:
+            if attempt == TRIES:
+                raise CaptureError(
+                    f"could not {action}: no answer from the gateway at {url} after {TRIES} tries "
+                    f"({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}); is it running and "
+                    "reachable? (`timeout` of artrl.capture bounds each try)"
+                ) from exc
+            await asyncio.sleep(0.2 * 2**attempt)
+            continue
+        return _check(response, action)
+    raise AssertionError("unreachable")
+
+
 @asynccontextmanager
 async def capture(model: ServedModel, *, timeout: float = 30.0) -> AsyncIterator[Capture]:
     """Record the calls made to `model`'s gateway inside the block (see this module's docstring).
 
     On exit, `Capture.trajectory` holds the main conversation (`messages_and_choices`, `tools`) and, as
     `additional_histories`, the calls that did not continue it (sub-agents, summaries), all with exact token
-    ids; calls still running when the block exits are not recorded. `timeout` bounds opening and closing.
+    ids; calls still running when the block exits are not recorded. `timeout` bounds each try of opening and
+    of closing (tried up to TRIES times when no answer comes back).
     """
     gateway_url = model.inference_base_url.rstrip("/")
     api_key = model.inference_api_key
     headers = {"Authorization": f"Bearer {api_key}"}
     async with httpx.AsyncClient(timeout=timeout, headers=headers, verify=needs_tls(gateway_url)) as http:
-        opened = _check(await http.post(f"{gateway_url}/captures"), "open a capture")
+        opened = await _ask(http, "POST", f"{gateway_url}/captures", "open a capture")
         cap = Capture(opened["id"], gateway_url, api_key)
         token = _active.set((*_active.get(), cap))
         failed = True
@@ -134,7 +162,7 @@ async def capture(model: ServedModel, *, timeout: float = 30.0) -> AsyncIterator
         finally:
             _active.reset(token)
             try:
-                closed = _check(await http.delete(f"{gateway_url}/captures/{cap.id}"), f"close {cap.id}")
+                closed = await _ask(http, "DELETE", f"{gateway_url}/captures/{cap.id}", f"close {cap.id}")
             except Exception:
                 if not failed:
                     raise
