@@ -121,3 +121,31 @@ async def test_log_cannot_overwrite_a_training_steps_trajectories(fresh_model):
         with pytest.raises(ValueError, match="log evaluations under another name"):
             await fresh_model.log([group(fresh_model.name)], split=split)
     assert (await fresh_model.log([group(fresh_model.name)], split="val"))["trajectories"] == 2
+
+
+async def test_a_cancelled_train_call_still_saves_and_records_its_step(fresh_model, tmp_path):
+    """Cancelling `model.train` (a timeout around it, Ctrl-C) once its step has begun: the step is trained,
+    checkpointed and recorded before the caller sees the cancellation, so no weights change unrecorded and
+    the next call trains the next step (before, the weights moved and the step was never written)."""
+    import asyncio
+
+    directory = tmp_path / "artrl" / "fresh" / "tiny"
+    config = artrl.TrainConfig(learning_rate=1e-3)
+    trajectories = group(fresh_model.name).trajectories
+    for step, split, train in (
+        (1, "train", lambda: fresh_model.train([group(fresh_model.name)], config)),
+        (2, "sft", lambda: fresh_model.train_sft(trajectories, artrl.SFTConfig(batch_size=2))),
+    ):
+        task = asyncio.ensure_future(train())
+        deadline = asyncio.get_running_loop().time() + 60
+        while not (directory / "trajectories" / split / f"{step:04d}.jsonl").exists():
+            assert asyncio.get_running_loop().time() < deadline and not task.done(), f"no step {step} began"
+            await asyncio.sleep(
+                0
+            )  # (the call goes on up to its next wait: once that file is written, the step)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert latest_step(directory) == 2
+    assert [(r["step"], r["split"]) for r in read_history(directory)] == [(1, "train"), (2, "sft")]
+    assert (await fresh_model.train([group(fresh_model.name)], config)).step == 3

@@ -189,6 +189,7 @@ class LocalBackend:
         `backend.train(model, groups, learning_rate=5e-6, ...)` (the names artrl.art_names knows)."""
         from artrl.art_names import train_config
         from artrl.local.batch import build_batch, check_groups, drop_stale, step_record
+        from artrl.local.service import to_the_end
 
         config = train_config(config, art_settings)
         groups = list(groups)
@@ -218,22 +219,29 @@ class LocalBackend:
             batch.locations = [(g, origin[g][t]) for g, t in batch.locations]
             step = latest_step(directory) + 1
             write_trajectories(directory, "train", step, groups)
-            started = time.time()
             metrics = {**batch.metrics, **staleness}
-            if batch.rows:
-                metrics.update(await service.train_step(batch, config))
-            else:
-                metrics["optimizer_steps"] = 0
-            metrics["step_seconds"] = time.time() - started
-            if config.save_rows:
-                await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
-            await self._complete_step(model, service, directory, step, "train", metrics)
+
+            async def whole_step() -> None:
+                started = time.time()
+                if batch.rows:
+                    metrics.update(await service.train_step(batch, config))
+                else:
+                    metrics["optimizer_steps"] = 0
+                metrics["step_seconds"] = time.time() - started
+                if config.save_rows:
+                    await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
+                await self._complete_step(model, service, directory, step, "train", metrics)
+
+            # a cancelled caller still gets the step saved and recorded (its weights change) before it is
+            # cancelled: no step trains unrecorded, the next one is numbered after it
+            await to_the_end(whole_step())
         return TrainResult(step=step, metrics=metrics)
 
     async def train_sft(
         self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
     ) -> TrainResult:
         from artrl.local.row_renderer import RowRenderer, sft_rows
+        from artrl.local.service import to_the_end
 
         service = self.service(model)
         if not trajectories:
@@ -257,8 +265,12 @@ class LocalBackend:
             step = latest_step(directory) + 1
             write_trajectories(directory, "sft", step, [TrajectoryGroup(trajectories)])
             metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
-            metrics.update(await service.train_sft(steps, config))
-            await self._complete_step(model, service, directory, step, "sft", metrics)
+
+            async def whole_step() -> None:  # (as in train: saved and recorded even when cancelled)
+                metrics.update(await service.train_sft(steps, config))
+                await self._complete_step(model, service, directory, step, "sft", metrics)
+
+            await to_the_end(whole_step())
         return TrainResult(step=step, metrics=metrics)
 
     async def _complete_step(
