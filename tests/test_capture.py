@@ -268,7 +268,7 @@ class LossyRelay:
         gateway_out.close()
 
 
-async def test_a_lost_answer_to_opening_or_closing_is_asked_again(tokenizer):
+async def test_a_lost_answer_to_opening_or_closing_is_asked_again(tokenizer, caplog):
     """Opening and closing a capture are retried when no answer comes back: the block still opens, and the
     second close returns the records the first one took (the gateway keeps them for a grace period)."""
     from fakes import ScriptedEngine
@@ -286,6 +286,8 @@ async def test_a_lost_answer_to_opening_or_closing_is_asked_again(tokenizer):
                 model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
             )
         assert relay.lost == [b"POST /v1/captures ", b"DELETE /v1/captures/"]
+        asked_again = [r.getMessage() for r in caplog.records if "asking again" in r.getMessage()]
+        assert len(asked_again) == 2 and "open a capture (POST" in asked_again[0], asked_again
         assert [m["content"] for m in cap.trajectory.messages()] == ["Hi", "Hello."]
         assert cap.trajectory.choices()[0].token_ids == encode(tokenizer, "Hello.<|im_end|>")
     finally:

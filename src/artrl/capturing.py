@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +27,8 @@ from artrl.trajectory import Trajectory
 
 if TYPE_CHECKING:
     import openai
+
+log = logging.getLogger(__name__)
 
 
 class ServedModel(Protocol):
@@ -133,6 +136,7 @@ async def _ask(http: httpx.AsyncClient, method: str, url: str, action: str) -> d
                     f"({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}); is it running and "
                     "reachable? (`timeout` of artrl.capture bounds each try)"
                 ) from exc
+            log.warning("no answer from the gateway to %s (%s %s): asking again", action, method, url)
             await asyncio.sleep(0.2 * 2**attempt)
             continue
         return _check(response, action)
