@@ -3,6 +3,7 @@ before they are published; a checkpoint is data, never code; model.log cannot ov
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from pathlib import Path
@@ -127,8 +128,6 @@ async def test_a_cancelled_train_call_still_saves_and_records_its_step(fresh_mod
     """Cancelling `model.train` (a timeout around it, Ctrl-C) once its step has begun: the step is trained,
     checkpointed and recorded before the caller sees the cancellation, so no weights change unrecorded and
     the next call trains the next step (before, the weights moved and the step was never written)."""
-    import asyncio
-
     directory = tmp_path / "artrl" / "fresh" / "tiny"
     config = artrl.TrainConfig(learning_rate=1e-3)
     trajectories = group(fresh_model.name).trajectories
@@ -140,9 +139,8 @@ async def test_a_cancelled_train_call_still_saves_and_records_its_step(fresh_mod
         deadline = asyncio.get_running_loop().time() + 60
         while not (directory / "trajectories" / split / f"{step:04d}.jsonl").exists():
             assert asyncio.get_running_loop().time() < deadline and not task.done(), f"no step {step} began"
-            await asyncio.sleep(
-                0
-            )  # (the call goes on up to its next wait: once that file is written, the step)
+            # (the call goes on up to its next wait: once that file is written, that wait is the step's)
+            await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

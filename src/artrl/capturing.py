@@ -126,9 +126,10 @@ async def _ask(http: httpx.AsyncClient, method: str, url: str, action: str) -> d
     Both requests are safe to repeat: opening again leaves at most an unused capture, which the gateway
     drops once it idles; closing again returns the same records (the gateway keeps a closed capture's
     records for a grace period for exactly this). An answer that refuses (HTTP 4xx/5xx) is not retried."""
-    for attempt in range(1, TRIES + 1):
+    attempt = 1
+    while True:
         try:
-            response = await http.request(method, url)
+            return _check(await http.request(method, url), action)
         except _NO_ANSWER as exc:
             if attempt == TRIES:
                 raise CaptureError(
@@ -136,11 +137,9 @@ async def _ask(http: httpx.AsyncClient, method: str, url: str, action: str) -> d
                     f"({type(exc).__name__}{': ' + str(exc) if str(exc) else ''}); is it running and "
                     "reachable? (`timeout` of artrl.capture bounds each try)"
                 ) from exc
-            log.warning("no answer from the gateway to %s (%s %s): asking again", action, method, url)
-            await asyncio.sleep(0.2 * 2**attempt)
-            continue
-        return _check(response, action)
-    raise AssertionError("unreachable")
+        log.warning("no answer from the gateway to %s (%s %s): asking again", action, method, url)
+        await asyncio.sleep(0.2 * 2**attempt)
+        attempt += 1
 
 
 @asynccontextmanager
