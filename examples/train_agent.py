@@ -160,7 +160,14 @@ def plot(history: list[dict], val_points: list[tuple[int, float, float]], out: P
 async def main(args: argparse.Namespace) -> dict:
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    async with artrl.LocalBackend(path=args.path) as backend, contextlib.AsyncExitStack() as stack:
+    # the service (engine, gateway, trainer) in a child process, the agents here (--in-process: all in this one)
+    in_process = args.in_process
+    threads = args.generation_threads or (None if args.base_model else 1)  # (the tiny model: one thread)
+    engine = artrl.EngineConfig(generation_threads=threads)
+    async with (
+        artrl.LocalBackend(path=args.path, engine=engine, in_process=in_process) as backend,
+        contextlib.AsyncExitStack() as stack,
+    ):
         t = time.perf_counter()
         base_model = args.base_model or await pretrained_tiny_model(backend, args)
         timings["pretraining"] = 0.0 if args.base_model else time.perf_counter() - t
@@ -174,13 +181,13 @@ async def main(args: argparse.Namespace) -> dict:
         model = artrl.TrainableModel(
             name=name, project="maze", base_model=warm, lora=lora, report_to=trackers
         )
-        # the SFT stages above only train (embedded engine, in this process); the RL model's rollouts run on
+        # the SFT stages above only train (embedded engine); the RL model's rollouts run on
         # --engine and its training in --trainer-ranks processes
         rl_backend = backend
-        if args.engine != "hf" or args.trainer_ranks > 1:
+        if args.engine != "hf" or args.trainer_ranks > 1:  # (vLLM decides its own threads)
             trainer = artrl.TrainerConfig(ranks=args.trainer_ranks)
             rl_backend = await stack.enter_async_context(
-                artrl.LocalBackend(path=args.path, engine=args.engine, trainer=trainer)
+                artrl.LocalBackend(path=args.path, engine=args.engine, trainer=trainer, in_process=in_process)
             )
         t = time.perf_counter()
         await model.register(rl_backend)
@@ -346,6 +353,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="GRPO in this many trainer processes (FSDP2; gloo on CPU, nccl on GPUs); 1: in this process",
+    )
+    parser.add_argument(
+        "--generation-threads",
+        type=int,
+        default=None,
+        help="torch threads of the embedded engine's token steps (default: 1 on the tiny model, whose products "
+        "are too small to split; torch's default with --base-model)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="engine, gateway and trainer in this process (default: in a child process, the agents in this one)",
     )
     parser.add_argument("--report-to", default="", help="experiment trackers: wandb,tensorboard,trackio")
     parser.add_argument("--path", default=".artrl")

@@ -318,3 +318,25 @@ async def test_the_engine_thread_ends_when_idle_and_the_next_request_starts_anot
     finally:
         await engine.close()
     assert engine._thread is None or not engine._thread.is_alive()
+
+
+async def test_generation_threads_for_token_steps_and_the_default_for_jobs(hf_model):
+    """`generation_threads`: prefill and decode with that many torch threads, jobs (training) with torch's
+    default, on the engine thread; the same greedy tokens as with the default."""
+    default = torch.get_num_threads()
+    expected = [[greedy_by_full_forwards(hf_model, p, 6)] for p in PROMPTS[:2]]
+    seen: list[int] = []
+    hook = hf_model.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    engine = HFEngine(hf_model, max_context=2048, config=EngineConfig(generation_threads=1))
+    try:
+        assert await collect(engine, PROMPTS[1], greedy) == expected[1]
+        assert seen and set(seen) == {1}
+        assert await engine.run_exclusive(torch.get_num_threads) == default
+        seen.clear()
+        assert await collect(engine, PROMPTS[0], greedy) == expected[0]
+        assert seen and set(seen) == {1}  # (back to one thread after the job)
+    finally:
+        await engine.close()
+        hook.remove()
+    assert torch.get_num_threads() == default  # (this thread's setting untouched)

@@ -75,6 +75,10 @@ LAYERS: dict[str, int] = {
     "artrl.local.row_renderer": 4,  # train_sft's rows rendered in worker processes too
     "artrl.local.render_worker": 2,  # one such worker process (rows through the chat template)
     "artrl.local.backend": 5,
+    "artrl.local.service_child": 5,  # the service process of LocalBackend(in_process=False): a LocalBackend
+    "artrl.local.service_process": 4,  # that process, seen from the user's (pipes, frames; no torch)
+    "artrl.local.step_commits": 4,  # a trained step's checkpoint, weights to the engine, history row
+    "artrl.local.shielded": 2,  # work a cancelled caller still waits for (stdlib)
     "artrl.tiny": 5,
     "artrl.cli": 5,
     "artrl.local.dashboard": 5,  # a local web app over run folders (fastapi, uvicorn, a tokenizer)

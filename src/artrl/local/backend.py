@@ -22,7 +22,9 @@ from artrl.config import (
     TrainerConfig,
     VLLMConfig,
 )
-from artrl.local.checkpoints import delete_unkept, save_checkpoint, save_tokenizer
+from artrl.local.checkpoints import delete_unkept, save_tokenizer
+from artrl.local.shielded import to_the_end
+from artrl.local.step_commits import CheckpointError, StepCommits
 from artrl.model import TrainableModel, TrainResult
 from artrl.storage import (
     append_history,
@@ -40,13 +42,10 @@ from artrl.trajectory import Trajectory, TrajectoryGroup
 if TYPE_CHECKING:
     from artrl.local.row_renderer import RowRenderer
     from artrl.local.service import LocalService
+    from artrl.local.service_process import ServiceProcess
 
+__all__ = ["CheckpointError", "LocalBackend"]  # (CheckpointError: public as artrl.CheckpointError)
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A training step's checkpoint could not be written (the disk is full, say). The step is not lost: its
-    weights stay in memory and the next `train`/`train_sft` call writes that checkpoint first."""
 
 
 RESERVED_SPLITS = ("train", "sft")  # written by model.train / model.train_sft, never by model.log
@@ -61,6 +60,9 @@ class LocalBackend:
     adapter is loaded into it (every replica) every step.
     Pass an `EngineConfig` for every setting (`EngineConfig(kind="vllm", vllm=VLLMConfig(...))`).
     `trainer=TrainerConfig(ranks=N)` trains in N processes with FSDP2 (docs/multi-gpu.md); default: in this one.
+    `in_process=False`: all of it (engines, gateways, trainers) in one child process, the agents in this one:
+    `model.openai_client()` reaches the gateway over a pipe (local/service_process.py), and the SDK's work
+    runs beside the engine's instead of taking turns with it on one interpreter lock.
 
     Files go under `path/{project}/{model}/`. Use `async with LocalBackend() as backend:` or call
     `await backend.close()`.
@@ -74,6 +76,7 @@ class LocalBackend:
         gateway: GatewayConfig | None = None,
         vllm_url: str | list[str] | None = None,
         trainer: TrainerConfig | None = None,
+        in_process: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         if isinstance(engine, str):
@@ -93,9 +96,20 @@ class LocalBackend:
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._trackers: dict[tuple[str, str], Trackers] = {}
-        # a step whose checkpoint failed to write: (step, history row), written before any further step
-        self._unsaved: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+        # checkpoints written, engines updated, rows recorded (a step whose checkpoint failed: before the next)
+        self._commits = StepCommits(self._record)
         self._renderer: RowRenderer | None = None  # (train_sft's render workers, started on first use)
+        self._process: ServiceProcess | None = None  # in_process=False: the child that serves and trains
+        if not in_process:
+            from artrl.local.service_process import ServiceProcess
+
+            settings = {
+                "engine": self.engine_config,
+                "gateway": self.gateway_config,
+                "trainer": self.trainer_config,
+            }
+            self._process = ServiceProcess({"path": self.path, **settings})
+            self._process.start()  # (its imports overlap whatever this process does before register)
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -104,6 +118,10 @@ class LocalBackend:
         await self.close()
 
     def service(self, model: TrainableModel) -> LocalService:
+        if self._process is not None:
+            raise RuntimeError(
+                "this backend's services run in a child process (LocalBackend(in_process=False))"
+            )
         try:
             return self._services[(model.project, model.name)]
         except KeyError:
@@ -112,7 +130,12 @@ class LocalBackend:
     def directory(self, model: TrainableModel):
         return model_dir(self.path, model.project, model.name)
 
+    def registered(self, model: TrainableModel) -> bool:
+        return (model.project, model.name) in self._services
+
     async def register(self, model: TrainableModel) -> tuple[str, str]:
+        if self._process is not None:
+            return await self._process.register(model)
         from artrl.local.service import LocalService
 
         key = (model.project, model.name)
@@ -169,7 +192,10 @@ class LocalBackend:
         return service.base_url, self.gateway_config.api_key or "artrl"
 
     def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
-        """The gateway in this process, reached without a socket (see local/in_process.py)."""
+        """The gateway in this process, reached without a socket (see local/in_process.py), or in the child
+        process over its pipe (in_process=False)."""
+        if self._process is not None:
+            return self._process.transport(model, sync) if self.gateway_config.in_process_clients else None
         service = self._services.get((model.project, model.name))
         if service is None or not self.gateway_config.in_process_clients:
             return None
@@ -189,15 +215,16 @@ class LocalBackend:
         `backend.train(model, groups, learning_rate=5e-6, ...)` (the names artrl.art_names knows)."""
         from artrl.art_names import train_config
         from artrl.local.batch import build_batch, check_groups, drop_stale, step_record
-        from artrl.local.service import to_the_end
 
         config = train_config(config, art_settings)
         groups = list(groups)
+        if self._process is not None:  # (the child finishes a step whole even if this call is cancelled)
+            return await to_the_end(self._process.call("train", model.model_dump(), groups, config))
 
         service = self.service(model)
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
-            await self._write_unsaved(model, service, directory)
+            await self._commits.write_unsaved(model, service, directory)
             check_groups(groups)  # (every trajectory, the stale ones too: they are written below)
             fresh, staleness, origin = drop_stale(groups, latest_step(directory), config.max_staleness)
             if staleness["trajectories_dropped_stale"] and not any(g.trajectories for g in fresh):
@@ -230,7 +257,7 @@ class LocalBackend:
                 metrics["step_seconds"] = time.time() - started
                 if config.save_rows:
                     await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
-                await self._complete_step(model, service, directory, step, "train", metrics)
+                await self._commits.complete(model, service, directory, step, "train", metrics)
 
             # a cancelled caller still gets the step saved and recorded (its weights change) before it is
             # cancelled: no step trains unrecorded, the next one is numbered after it
@@ -241,14 +268,15 @@ class LocalBackend:
         self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
     ) -> TrainResult:
         from artrl.local.row_renderer import RowRenderer, sft_rows
-        from artrl.local.service import to_the_end
 
-        service = self.service(model)
         if not trajectories:
             raise ValueError("train_sft() got no trajectories")
+        if self._process is not None:
+            return await to_the_end(self._process.call("train_sft", model.model_dump(), trajectories, config))
+        service = self.service(model)
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:
-            await self._write_unsaved(model, service, directory)
+            await self._commits.write_unsaved(model, service, directory)
             self._renderer = self._renderer or RowRenderer()
             per_trajectory = await sft_rows(self._renderer, service.chat_format, trajectories, config)
             too_long = sum(len(r.ids) > service.max_context for rows in per_trajectory for r in rows)
@@ -268,73 +296,16 @@ class LocalBackend:
 
             async def whole_step() -> None:  # (as in train: saved and recorded even when cancelled)
                 metrics.update(await service.train_sft(steps, config))
-                await self._complete_step(model, service, directory, step, "sft", metrics)
+                await self._commits.complete(model, service, directory, step, "sft", metrics)
 
             await to_the_end(whole_step())
         return TrainResult(step=step, metrics=metrics)
 
-    async def _complete_step(
-        self,
-        model: TrainableModel,
-        service: LocalService,
-        directory,
-        step: int,
-        split: str,
-        metrics: dict[str, Any],
-    ) -> None:
-        row = {"step": step, "split": split, "time": time.time(), **metrics}
-        try:
-            await service.run_exclusive(lambda: save_checkpoint(service, directory, step, row))
-        except Exception as exc:  # ENOSPC, or torch/safetensors' own errors for a failed write
-            self._unsaved[(model.project, model.name)] = (step, row)
-            raise CheckpointError(
-                f"step {step}'s checkpoint could not be written to {checkpoint_dir(directory, step)}: {exc}. "
-                f"The step is not lost: its weights are in memory and the next train or train_sft call writes "
-                f"checkpoint {step} first (free some space before it)."
-            ) from exc
-        await self._publish_step(model, service, directory, step, row, metrics)
-
-    async def _publish_step(
-        self,
-        model: TrainableModel,
-        service: LocalService,
-        directory,
-        step: int,
-        row: dict[str, Any],
-        metrics: dict[str, Any],
-    ) -> None:
-        try:  # the engine serves the new weights from the next request on (vLLM: the adapter hot-load)
-            started = time.time()
-            await service.weights_updated(step, checkpoint_dir(directory, step))
-            row["weight_sync_seconds"] = metrics["weight_sync_seconds"] = time.time() - started
-        finally:
-            self._record(model, directory, row)  # the step is saved whether or not the engine took it
-        if model.retention is not None:  # (the caller holds the training lock)
-            try:
-                await delete_unkept(directory, model.retention)
-            except ValueError as exc:  # a keep_best metric the history never had: the step itself is saved
-                log.warning("checkpoint retention skipped after step %d: %s", step, exc)
-
-    async def _write_unsaved(self, model: TrainableModel, service: LocalService, directory) -> None:
-        """Write the checkpoint of a step whose save failed, before anything else trains (CheckpointError
-        again, and no training, while it still cannot be written)."""
-        key = (model.project, model.name)
-        if key not in self._unsaved:
-            return
-        step, row = self._unsaved[key]
-        try:
-            await service.run_exclusive(lambda: save_checkpoint(service, directory, step, row))
-        except Exception as exc:
-            raise CheckpointError(
-                f"step {step}'s checkpoint still cannot be written: {exc}; nothing was trained. Free some space "
-                "and call again."
-            ) from exc
-        del self._unsaved[key]
-        await self._publish_step(model, service, directory, step, row, {})
-
     async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:
         """Write the current weights as a Hugging Face folder with the tokenizer: a full model after full
         fine-tuning (usable as `base_model=`), or a PEFT adapter folder (referencing its base) with LoRA."""
+        if self._process is not None:
+            return await self._process.call("export", model.model_dump(), os.fspath(directory))
         await self.service(model).export(os.fspath(directory))
 
     async def log(
@@ -347,6 +318,8 @@ class LocalBackend:
     ) -> dict[str, float]:
         """A history row of `split` at `step` (default: the current): the groups' reward and metric means,
         then `metrics` as given; the groups' trajectories are written under that step."""
+        if self._process is not None:
+            return await self._process.call("log", model.model_dump(), groups, split, metrics, step)
         if split in RESERVED_SPLITS:
             raise ValueError(
                 f"split {split!r} holds what model.train/train_sft trained on (logging under it would overwrite "
@@ -384,11 +357,15 @@ class LocalBackend:
 
     async def delete_checkpoints(self, model: TrainableModel, retention: CheckpointRetention) -> list[int]:
         """Delete the checkpoints `retention` does not keep (never the latest); return their steps."""
+        if self._process is not None:
+            return await self._process.call("delete_checkpoints", model.model_dump(), retention)
         self.service(model)  # registered with this backend (its training lock guards the folder)
         async with self._train_locks[(model.project, model.name)]:
             return await delete_unkept(self.directory(model), retention)
 
     async def close(self) -> None:
+        if self._process is not None:
+            await self._process.close()
         if self._renderer is not None:
             await asyncio.to_thread(self._renderer.close)
         services, self._services = list(self._services.values()), {}

@@ -48,6 +48,9 @@ class HFEngine:
     def __init__(self, model, *, max_context: int, config: EngineConfig) -> None:
         self._idle_timeout_s = config.stream_idle_timeout_s
         self._thread_idle_s = config.engine_thread_idle_s
+        # (generation's torch threads, training's): None when generation keeps torch's default
+        threads = config.generation_threads
+        self._threads = None if threads is None else (threads, torch.get_num_threads())
         self.model = model
         self._max_context = max_context
         self._incoming: queue.SimpleQueue[Request | _Job | None] = queue.SimpleQueue()
@@ -127,6 +130,8 @@ class HFEngine:
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         idle_since = time.monotonic()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads[0])  # (this thread's own OpenMP team: set in each new one)
         while not self._closed:
             try:
                 steps = self._steps
@@ -195,12 +200,16 @@ class HFEngine:
                 self._fused.stale()
             if self._lora is not None:
                 self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
+        if jobs and self._threads is not None:
+            torch.set_num_threads(self._threads[1])  # training with every thread
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 try:
                     job.future.set_result(job.fn())
                 except BaseException as exc:  # delivered to the caller
                     job.future.set_exception(exc)
+        if jobs and self._threads is not None:
+            torch.set_num_threads(self._threads[0])
 
     def _collect_requests(self, block: bool) -> bool:
         """Move what arrived to the pending requests and jobs (waiting a little when block); whether any."""

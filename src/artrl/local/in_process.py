@@ -54,9 +54,16 @@ def gateway_transport(
     """A transport for the httpx the `openai` SDK is built on (httpx, or httpx2 from openai 3 on), to `app`
     (an ASGI app) run on `loop` (the gateway's event loop, in another thread); `sync`: for a synchronous
     client (its calls block their own thread, never the gateway's)."""
+    return link_transport(_AppLink(app, loop, exchanges), host, port, sync)
+
+
+def link_transport(link: Any, host: str, port: int, sync: bool = False) -> Any:
+    """A transport whose requests `link` carries to the gateway: `link.submit(exchange, scope, request)`
+    starts one (raising the httpx ConnectError it is given when it cannot), `link.disconnect(exchange)` tells
+    the app its client went away; the answer comes back through `exchange.deliver` and `exchange.ended`."""
     httpx = openai_httpx()
     transport = _sync_classes(httpx)[0] if sync else _classes(httpx)[0]
-    return transport(httpx, app, loop, (host, port), exchanges)
+    return transport(httpx, link, (host, port))
 
 
 def openai_httpx() -> ModuleType:
@@ -82,24 +89,18 @@ def _sync_classes(httpx: ModuleType) -> tuple[type, type]:
     return transport, body
 
 
-class _Transport:
-    def __init__(
-        self,
-        httpx: ModuleType,
-        app: Any,
-        loop: asyncio.AbstractEventLoop,
-        server: tuple,
-        exchanges: Exchanges,
-    ) -> None:
-        self._httpx, self._app, self._loop, self._server = httpx, app, loop, server
-        self._exchanges = exchanges
+class _AppLink:
+    """Requests to `app` run on `loop` (the gateway's, in another thread of this process)."""
 
-    def _submit(self, exchange: _Exchange, request: Any) -> None:
+    def __init__(self, app: Any, loop: asyncio.AbstractEventLoop, exchanges: Exchanges) -> None:
+        self._app, self._loop, self._exchanges = app, loop, exchanges
+
+    def submit(self, exchange: _Exchange, scope: dict[str, Any], request: Any) -> None:
         """Start the app on the gateway's loop for this request (ConnectError when the gateway is gone)."""
-        httpx = self._httpx
+        httpx = exchange.httpx
         if not self._exchanges.add(exchange):
             raise httpx.ConnectError("the artrl gateway is not running (it stopped)", request=request)
-        work = exchange.run(self._app, _scope(request, self._server))
+        work = exchange.run(self._app, scope)
         try:
             future = asyncio.run_coroutine_threadsafe(work, self._loop)
         except RuntimeError as exc:  # the gateway's loop is closed
@@ -107,6 +108,20 @@ class _Transport:
             raise httpx.ConnectError(f"the artrl gateway is not running: {exc}", request=request) from None
         exchange.future = future
         future.add_done_callback(exchange.finished)
+
+    def disconnect(self, exchange: _Exchange) -> None:
+        if exchange.complete or exchange.future is None or exchange.future.done():
+            return
+        with contextlib.suppress(RuntimeError):  # the gateway stopped
+            self._loop.call_soon_threadsafe(exchange.gone.set)
+
+
+class _Transport:
+    def __init__(self, httpx: ModuleType, link: Any, server: tuple) -> None:
+        self._httpx, self._link, self._server = httpx, link, server
+
+    def _submit(self, exchange: _Exchange, request: Any) -> None:
+        self._link.submit(exchange, _scope(request, self._server), request)
 
     async def handle_async_request(self, request: Any) -> Any:
         httpx = self._httpx
@@ -116,7 +131,7 @@ class _Transport:
         caller = asyncio.get_running_loop()
         started: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] = caller.create_future()
         chunks: asyncio.Queue[Any] = asyncio.Queue()
-        exchange = _Exchange(httpx, body, caller, self._loop, started, chunks)
+        exchange = _Exchange(httpx, body, caller, self._link, started, chunks)
         self._submit(exchange, request)
         try:
             status, headers = await asyncio.wait_for(started, read_timeout)
@@ -149,17 +164,12 @@ def _scope(request: Any, server: tuple) -> dict[str, Any]:
 
 
 class _Exchange:
-    """One request's two halves: the app's side runs on the gateway loop, the client's on the caller's."""
+    """One request's two halves: the client's on the caller's loop; the app's (`run`, `receive`, `send`) on
+    the gateway loop when the gateway is in this process (a link to another process carries `deliver`)."""
 
-    def __init__(self, httpx: ModuleType, body: bytes, caller, gateway, started, chunks) -> None:
-        self.httpx = httpx
-        self.body, self.caller, self.gateway, self.started, self.chunks = (
-            body,
-            caller,
-            gateway,
-            started,
-            chunks,
-        )
+    def __init__(self, httpx: ModuleType, body: bytes, caller, link, started, chunks) -> None:
+        self.httpx, self.body, self.caller, self.link = httpx, body, caller, link
+        self.started, self.chunks = started, chunks
         self.future: concurrent.futures.Future | None = None
         self.gone = asyncio.Event()  # set, and waited for, on the gateway loop: the client went away
         self.body_sent = self.complete = False
@@ -175,8 +185,11 @@ class _Exchange:
         return {"type": "http.disconnect"}
 
     async def send(self, message: dict[str, Any]) -> None:
-        if self.gone.is_set():  # the client went away: nobody reads what the app still sends
-            return
+        if not self.gone.is_set():  # (the client went away: nobody reads what the app still sends)
+            self.deliver(message)
+
+    def deliver(self, message: dict[str, Any]) -> None:
+        """An ASGI response message of the app, handed to the client (from any thread)."""
         kind = message["type"]
         if kind == "http.response.start":
             headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
@@ -196,10 +209,14 @@ class _Exchange:
     def finished(self, future: concurrent.futures.Future) -> None:
         """The app returned or failed (on the gateway loop): wake the client whatever it waits for."""
         error = None if future.cancelled() else future.exception()
-        if future.cancelled() or error is not None or not self.complete:
+        self.ended(None if error is None else f"{type(error).__name__}: {error}", future.cancelled())
+
+    def ended(self, error: str | None, cancelled: bool = False) -> None:
+        """The app is done (`error`: how it failed): a client still waiting for the rest is failed."""
+        if cancelled or error is not None or not self.complete:
             failure = self.httpx.RemoteProtocolError(
                 "the artrl gateway closed the request without a complete response"
-                + (f": {type(error).__name__}: {error}" if error is not None else "")
+                + (f": {error}" if error is not None else "")
             )
             self._deliver(_fail, self.started, self.chunks, failure)
 
@@ -210,10 +227,8 @@ class _Exchange:
 
     def disconnect(self) -> None:
         """The client went away (cancelled, timed out, or closed the body early)."""
-        if self.complete or self.future is None or self.future.done():
-            return
-        with contextlib.suppress(RuntimeError):  # the gateway stopped
-            self.gateway.call_soon_threadsafe(self.gone.set)
+        if not self.complete:
+            self.link.disconnect(self)
 
 
 def _resolve(started: asyncio.Future, value: Any) -> None:
@@ -281,7 +296,7 @@ class _SyncTransport(_Transport):
         body = request.read()
         started: concurrent.futures.Future = concurrent.futures.Future()
         chunks: queue.Queue[Any] = queue.Queue()
-        exchange = _SyncExchange(httpx, body, None, self._loop, started, chunks)
+        exchange = _SyncExchange(httpx, body, None, self._link, started, chunks)
         self._submit(exchange, request)
         try:
             status, headers = started.result(timeout=read_timeout)

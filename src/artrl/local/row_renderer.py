@@ -243,7 +243,7 @@ async def sft_rows(
 ) -> list[list[Row]]:
     """Each trajectory's rows for `train_sft`; a large call on several cores and off the event loop (with
     its own copy of the tokenizer), a small one right here."""
-    from artrl.local.service import to_thread_to_the_end
+    from artrl.local.shielded import to_thread_to_the_end
 
     workers = default_workers() if config.render_workers is None else config.render_workers
     kwargs = config.chat_template_kwargs

@@ -6,6 +6,8 @@ A thread of its own keeps the gateway answering even while the caller's event lo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -61,6 +63,26 @@ class GatewayServer:
         """An httpx transport to this gateway from the same process, without a socket (see in_process);
         `sync` for a synchronous client."""
         return gateway_transport(self._app, self._loop, self.host, self.port, self._exchanges, sync)
+
+    def run_exchange(self, exchange) -> None:
+        """Run the app for a request from another process (local/service_child.py): `exchange.run(app)` on
+        this gateway's loop, `exchange.finished(future)` when it ends, `exchange.abandon(why)` if it cannot."""
+        if not self._exchanges.add(exchange):
+            exchange.abandon("the artrl gateway is not running (it stopped)")
+            return
+        work = exchange.run(self._app)
+        try:
+            future = asyncio.run_coroutine_threadsafe(work, self._loop)
+        except RuntimeError as exc:  # the gateway's loop is closed
+            work.close()
+            exchange.abandon(f"the artrl gateway is not running: {exc}")
+            return
+        future.add_done_callback(exchange.finished)
+
+    def call_soon(self, fn, *args) -> None:
+        """fn(*args) on the gateway's loop (nothing once it stopped)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.should_exit = True

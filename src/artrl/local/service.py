@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from artrl.local.loading import (
     pick_dtype,
 )
 from artrl.local.server import GatewayServer
+from artrl.local.shielded import to_thread_to_the_end
 from artrl.local.trainer import Trainer, attach_adapter, load_adapter
 from artrl.local.trainer_ranks import TrainerRanks
 from artrl.local.vllm_replicas import Replica
@@ -241,27 +242,6 @@ class LocalService:
             finally:
                 if self.trainer is not None:
                     await asyncio.to_thread(self.trainer.close)
-
-
-async def to_the_end(work: Awaitable[T]) -> T:
-    """`await work`, except that a cancelled caller still waits for `work` to end before it is cancelled:
-    what the caller holds (the backend's train lock) stays held, and `work` (a training step, then its
-    checkpoint and record) is done whole."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({task})
-        if not task.cancelled() and task.exception() is not None:  # (retrieved: no "never retrieved" log)
-            log.warning("a cancelled training call failed afterwards: %s", task.exception())
-        raise
-
-
-async def to_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
-    """`asyncio.to_thread(fn, *args)` run to its end even when the caller is cancelled (see to_the_end)."""
-    return await to_the_end(asyncio.to_thread(fn, *args))
 
 
 def main_copy_config(
