@@ -323,7 +323,7 @@ def section(args: argparse.Namespace, results: list[WorkloadResult], overhead: d
         "float32 checkpoints on a CPU; the client reaches the gateway in the same process without a socket, "
         "`GatewayConfig.in_process_clients`); **artrl child** = the same with engine, gateway and trainer in a "
         "child process (`LocalBackend(in_process=False)`; the agents and their SDK stay in the benchmark's "
-        "process, the requests cross a pipe; the child's CPU counts as *others' CPU*); **artrl HTTP** = the same server through an `openai.AsyncOpenAI` "
+        "process, the requests cross a pipe); **artrl HTTP** = the same server through an `openai.AsyncOpenAI` "
         "built from `model.inference_base_url` (what any other client gets: TCP, HTTP); **artrl fp32** = "
         'the same as artrl in float32 (artrl\'s own "auto" on a CPU); '
         '**artrl+vLLM** = `model.openai_client()` on `LocalBackend(engine="vllm")` (gateway + vLLM '

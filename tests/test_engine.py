@@ -336,6 +336,15 @@ async def test_generation_threads_for_token_steps_and_the_default_for_jobs(hf_mo
         seen.clear()
         assert await collect(engine, PROMPTS[0], greedy) == expected[0]
         assert seen and set(seen) == {1}  # (back to one thread after the job)
+        # an engine made afterwards (its thread starts while the first one's count is 1) keeps the default
+        other = HFEngine(hf_model, max_context=2048, config=EngineConfig())
+        try:
+            seen.clear()
+            await collect(other, PROMPTS[0], greedy)
+            assert seen and set(seen) == {default}
+            assert await other.run_exclusive(torch.get_num_threads) == default
+        finally:
+            await other.close()
     finally:
         await engine.close()
         hook.remove()

@@ -78,7 +78,8 @@ LAYERS: dict[str, int] = {
     "artrl.local.service_child": 5,  # the service process of LocalBackend(in_process=False): a LocalBackend
     "artrl.local.service_process": 4,  # that process, seen from the user's (pipes, frames; no torch)
     "artrl.local.step_commits": 4,  # a trained step's checkpoint, weights to the engine, history row
-    "artrl.local.shielded": 2,  # work a cancelled caller still waits for (stdlib)
+    "artrl.local.shielded": 2,
+    "artrl.local.torch_threads": 2,  # torch's thread count: the default, set back by threads that train  # work a cancelled caller still waits for (stdlib)
     "artrl.tiny": 5,
     "artrl.cli": 5,
     "artrl.local.dashboard": 5,  # a local web app over run folders (fastapi, uvicorn, a tokenizer)

@@ -214,12 +214,12 @@ class LocalBackend:
         """One GRPO step of `model` on `groups` (what `model.train` does). ART's form works too:
         `backend.train(model, groups, learning_rate=5e-6, ...)` (the names artrl.art_names knows)."""
         from artrl.art_names import train_config
-        from artrl.local.batch import build_batch, check_groups, drop_stale, step_record
 
         config = train_config(config, art_settings)
         groups = list(groups)
         if self._process is not None:  # (the child finishes a step whole even if this call is cancelled)
             return await to_the_end(self._process.call("train", model.model_dump(), groups, config))
+        from artrl.local.batch import build_batch, check_groups, drop_stale, step_record
 
         service = self.service(model)
         directory = self.directory(model)
@@ -267,12 +267,12 @@ class LocalBackend:
     async def train_sft(
         self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
     ) -> TrainResult:
-        from artrl.local.row_renderer import RowRenderer, sft_rows
-
         if not trajectories:
             raise ValueError("train_sft() got no trajectories")
         if self._process is not None:
             return await to_the_end(self._process.call("train_sft", model.model_dump(), trajectories, config))
+        from artrl.local.row_renderer import RowRenderer, sft_rows
+
         service = self.service(model)
         directory = self.directory(model)
         async with self._train_locks[(model.project, model.name)]:

@@ -32,6 +32,7 @@ from artrl.local.merged_lora import MergedLora
 from artrl.local.prefix_cache import PrefixCache
 from artrl.local.running_batch import Request, RunningBatch, RunningSequence, fail_sequences
 from artrl.local.sampling import SamplingParams
+from artrl.local.torch_threads import default_threads
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,10 @@ class HFEngine:
         self._idle_timeout_s = config.stream_idle_timeout_s
         self._thread_idle_s = config.engine_thread_idle_s
         # (generation's torch threads, training's): None when generation keeps torch's default
-        threads = config.generation_threads
-        self._threads = None if threads is None else (threads, torch.get_num_threads())
+        # (generation's torch threads, training's), set on the engine thread whatever a new thread starts with:
+        # torch.set_num_threads also sets the count that threads started later take on their first torch op
+        default = default_threads()
+        self._threads = (config.generation_threads or default, default)
         self.model = model
         self._max_context = max_context
         self._incoming: queue.SimpleQueue[Request | _Job | None] = queue.SimpleQueue()
@@ -130,8 +133,7 @@ class HFEngine:
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         idle_since = time.monotonic()
-        if self._threads is not None:
-            torch.set_num_threads(self._threads[0])  # (this thread's own OpenMP team: set in each new one)
+        torch.set_num_threads(self._threads[0])  # (this thread's own OpenMP team: set in each new one)
         while not self._closed:
             try:
                 steps = self._steps
@@ -200,15 +202,15 @@ class HFEngine:
                 self._fused.stale()
             if self._lora is not None:
                 self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
-        if jobs and self._threads is not None:
-            torch.set_num_threads(self._threads[1])  # training with every thread
+        if jobs:
+            torch.set_num_threads(self._threads[1])  # training with torch's default
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 try:
                     job.future.set_result(job.fn())
                 except BaseException as exc:  # delivered to the caller
                     job.future.set_exception(exc)
-        if jobs and self._threads is not None:
+        if jobs:
             torch.set_num_threads(self._threads[0])
 
     def _collect_requests(self, block: bool) -> bool:

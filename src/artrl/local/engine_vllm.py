@@ -31,6 +31,7 @@ from artrl.config import EngineConfig, VLLMConfig
 from artrl.local.engine import EngineError, SamplingParams, SequenceStream
 from artrl.local.idle_thread import IdleEndingExecutor
 from artrl.local.replica_router import ReplicaRouter, Route
+from artrl.local.torch_threads import with_default_threads
 from artrl.local.vllm_completions import (
     ModelNotFound,
     ReplicaFailure,
@@ -242,7 +243,11 @@ class VLLMEngine:
     # ------------------------------------------------------------------ around training
     async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
         """On the trainer's own thread: vLLM holds its own copy of the weights and goes on generating."""
-        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, fn)
+        # (torch's default threads: an embedded engine in this process may have changed the count new
+        # threads start with, see torch_threads)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._trainer_thread, with_default_threads(fn)
+        )
 
     @contextlib.asynccontextmanager
     async def training(self) -> AsyncIterator[None]:
