@@ -79,6 +79,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.service_process": 4,  # that process, seen from the user's (pipes, frames; no torch)
     "artrl.local.step_commits": 4,  # a trained step's checkpoint, weights to the engine, history row
     "artrl.local.shielded": 2,
+    "artrl.local.piped_process": 2,  # a `python -m` child over two pipes of pickles (stdlib)
     "artrl.local.torch_threads": 2,  # torch's thread count: the default, set back by threads that train  # work a cancelled caller still waits for (stdlib)
     "artrl.tiny": 5,
     "artrl.cli": 5,

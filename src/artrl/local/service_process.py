@@ -28,13 +28,13 @@ import logging
 import os
 import pickle
 import subprocess
-import sys
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from artrl.local.in_process import link_transport
+from artrl.local.piped_process import start_piped
 
 if TYPE_CHECKING:
     from artrl.model import TrainableModel
@@ -75,26 +75,14 @@ class ServiceProcess:
         with self._started:
             if self._proc is not None:
                 return
-            to_child, child_reads = os.pipe()[::-1]  # (write end, read end)
-            parent_reads, child_writes = os.pipe()
             package_root = str(Path(__file__).resolve().parents[2])  # (the folder that holds `artrl`)
             path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-            try:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "artrl.local.service_child", str(child_reads), str(child_writes)],
-                    pass_fds=(child_reads, child_writes),
-                    stdin=subprocess.DEVNULL,
-                    env={**os.environ, "PYTHONPATH": path},
-                    start_new_session=True,  # Ctrl-C stops the user's script, which then closes the child
-                )
-            except BaseException:
-                for fd in (to_child, child_reads, parent_reads, child_writes):
-                    os.close(fd)
-                raise
-            os.close(child_reads)
-            os.close(child_writes)
-            self._out = Connection(to_child, readable=False)
-            inbox = Connection(parent_reads, writable=False)
+            self._proc, self._out, inbox = start_piped(
+                "artrl.local.service_child",
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": path},
+                start_new_session=True,  # Ctrl-C stops the user's script, which then closes the child
+            )
             threading.Thread(
                 target=self._read, args=(inbox,), name="artrl-service-reader", daemon=True
             ).start()

@@ -16,7 +16,6 @@ import contextlib
 import datetime
 import os
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -28,6 +27,7 @@ import torch
 from artrl.config import EngineConfig, LoraConfig, SFTConfig, TrainConfig, TrainerConfig
 from artrl.local.batch import TrainingBatch
 from artrl.local.loading import pick_device
+from artrl.local.piped_process import start_piped
 from artrl.local.rows import Row
 from artrl.local.trainer import check_train_config
 from artrl.local.trainer_rank import RankSpec, apply_trainable_state
@@ -153,29 +153,18 @@ class TrainerRanks:
             raise
 
     def _start(self, rank: int, threads: int) -> None:
-        to_rank, from_main = os.pipe()[::-1]  # (write end, read end)
-        from_rank_read, to_main = os.pipe()
-        try:
-            self.logs[rank].parent.mkdir(parents=True, exist_ok=True)
-            with open(self.logs[rank], "ab") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "artrl.local.trainer_rank", str(from_main), str(to_main)],
-                        pass_fds=(from_main, to_main),
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-                    )
-                )
-        except BaseException:
-            for fd in (to_rank, from_main, from_rank_read, to_main):
-                os.close(fd)
-            raise
-        os.close(from_main)
-        os.close(to_main)
-        self.outboxes.append(Connection(to_rank, readable=False))
-        self.inboxes.append(Connection(from_rank_read, writable=False))
+        self.logs[rank].parent.mkdir(parents=True, exist_ok=True)
+        with open(self.logs[rank], "ab") as log:
+            process, outbox, inbox = start_piped(
+                "artrl.local.trainer_rank",
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+            )
+        self.procs.append(process)
+        self.outboxes.append(outbox)
+        self.inboxes.append(inbox)
 
     def _send_spec(self, rank: int, deadline: float, spec: RankSpec) -> None:
         """The spec (the adapter in it can be more than a pipe holds) in a thread, so a rank that never reads
