@@ -161,11 +161,10 @@ async def main(args: argparse.Namespace) -> dict:
     timings: dict[str, float] = {}
     started = time.perf_counter()
     # the service (engine, gateway, trainer) in a child process, the agents here (--in-process: all in this one)
-    in_process = args.in_process
     threads = args.generation_threads or (None if args.base_model else 1)  # (the tiny model: one thread)
     engine = artrl.EngineConfig(generation_threads=threads)
     async with (
-        artrl.LocalBackend(path=args.path, engine=engine, in_process=in_process) as backend,
+        artrl.LocalBackend(path=args.path, engine=engine, in_process=args.in_process) as backend,
         contextlib.AsyncExitStack() as stack,
     ):
         t = time.perf_counter()
@@ -187,7 +186,9 @@ async def main(args: argparse.Namespace) -> dict:
         if args.engine != "hf" or args.trainer_ranks > 1:  # (vLLM decides its own threads)
             trainer = artrl.TrainerConfig(ranks=args.trainer_ranks)
             rl_backend = await stack.enter_async_context(
-                artrl.LocalBackend(path=args.path, engine=args.engine, trainer=trainer, in_process=in_process)
+                artrl.LocalBackend(
+                    path=args.path, engine=args.engine, trainer=trainer, in_process=args.in_process
+                )
             )
         t = time.perf_counter()
         await model.register(rl_backend)

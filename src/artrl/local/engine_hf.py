@@ -49,7 +49,6 @@ class HFEngine:
     def __init__(self, model, *, max_context: int, config: EngineConfig) -> None:
         self._idle_timeout_s = config.stream_idle_timeout_s
         self._thread_idle_s = config.engine_thread_idle_s
-        # (generation's torch threads, training's): None when generation keeps torch's default
         # (generation's torch threads, training's), set on the engine thread whatever a new thread starts with:
         # torch.set_num_threads also sets the count that threads started later take on their first torch op
         default = default_threads()

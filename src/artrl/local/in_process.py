@@ -30,11 +30,11 @@ class Exchanges:
     any the stopping gateway dropped are failed (their callers would otherwise wait for their timeouts)."""
 
     def __init__(self) -> None:
-        self._live: weakref.WeakSet[_Exchange] = weakref.WeakSet()
+        self._live: weakref.WeakSet[AppSide] = weakref.WeakSet()
         self._closed = False
         self._lock = threading.Lock()
 
-    def add(self, exchange: _Exchange) -> bool:
+    def add(self, exchange: AppSide) -> bool:
         with self._lock:
             if not self._closed:
                 self._live.add(exchange)
@@ -46,15 +46,6 @@ class Exchanges:
             live = list(self._live)
         for exchange in live:
             exchange.abandon("the artrl gateway stopped before answering")
-
-
-def gateway_transport(
-    app: Any, loop: asyncio.AbstractEventLoop, host: str, port: int, exchanges: Exchanges, sync: bool = False
-) -> Any:
-    """A transport for the httpx the `openai` SDK is built on (httpx, or httpx2 from openai 3 on), to `app`
-    (an ASGI app) run on `loop` (the gateway's event loop, in another thread); `sync`: for a synchronous
-    client (its calls block their own thread, never the gateway's)."""
-    return link_transport(_AppLink(app, loop, exchanges), host, port, sync)
 
 
 def link_transport(link: Any, host: str, port: int, sync: bool = False) -> Any:
@@ -89,31 +80,81 @@ def _sync_classes(httpx: ModuleType) -> tuple[type, type]:
     return transport, body
 
 
-class _AppLink:
-    """Requests to `app` run on `loop` (the gateway's, in another thread of this process)."""
+class AppSide:
+    """The app's half of one request, on the gateway loop: the request body once, then a disconnect when the
+    client goes away (`gone`); the response messages go to `deliver`, the end to `ended`. Subclasses say
+    where they go: the caller's loop in this process (_Exchange), or a pipe (local/service_child.py)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.future: concurrent.futures.Future | None = None  # the app's run on the gateway loop
+        self.gone = asyncio.Event()  # set, and waited for, on the gateway loop: the client went away
+        self.body_sent = self.complete = False
+
+    async def run(self, app: Any, scope: dict[str, Any]) -> None:
+        await app(scope, self.receive, self.send)
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.body_sent:
+            self.body_sent = True
+            body, self.body = self.body, b""
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if not self.gone.is_set():  # (the client went away: nobody reads what the app still sends)
+            self.deliver(message)
+
+    def finished(self, future: concurrent.futures.Future) -> None:
+        """The app returned or failed (on the gateway loop)."""
+        error = None if future.cancelled() else future.exception()
+        self.ended(None if error is None else f"{type(error).__name__}: {error}", future.cancelled())
+
+    def deliver(self, message: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def ended(self, error: str | None, cancelled: bool = False) -> None:
+        raise NotImplementedError
+
+    def abandon(self, message: str) -> None:
+        """The gateway stopped without finishing this request (from the stopping thread)."""
+        raise NotImplementedError
+
+
+class AppLink:
+    """Requests to `app` run on `loop` (the gateway's, in another thread of this process): the link of the
+    in-process transports, and of requests that came over the service process's pipe."""
 
     def __init__(self, app: Any, loop: asyncio.AbstractEventLoop, exchanges: Exchanges) -> None:
         self._app, self._loop, self._exchanges = app, loop, exchanges
 
-    def submit(self, exchange: _Exchange, scope: dict[str, Any], request: Any) -> None:
-        """Start the app on the gateway's loop for this request (ConnectError when the gateway is gone)."""
-        httpx = exchange.httpx
-        if not self._exchanges.add(exchange):
-            raise httpx.ConnectError("the artrl gateway is not running (it stopped)", request=request)
-        work = exchange.run(self._app, scope)
+    def start(self, side: AppSide, scope: dict[str, Any]) -> str | None:
+        """Run the app for `side` on the gateway's loop; why it could not (the gateway stopped), or None."""
+        if not self._exchanges.add(side):
+            return "the artrl gateway is not running (it stopped)"
+        work = side.run(self._app, scope)
         try:
             future = asyncio.run_coroutine_threadsafe(work, self._loop)
         except RuntimeError as exc:  # the gateway's loop is closed
             work.close()
-            raise httpx.ConnectError(f"the artrl gateway is not running: {exc}", request=request) from None
-        exchange.future = future
-        future.add_done_callback(exchange.finished)
+            return f"the artrl gateway is not running: {exc}"
+        side.future = future
+        future.add_done_callback(side.finished)
+        return None
 
-    def disconnect(self, exchange: _Exchange) -> None:
-        if exchange.complete or exchange.future is None or exchange.future.done():
+    def submit(self, exchange: _Exchange, scope: dict[str, Any], request: Any) -> None:
+        """start, for a transport: ConnectError when the gateway is gone."""
+        failure = self.start(exchange, scope)
+        if failure is not None:
+            raise exchange.httpx.ConnectError(failure, request=request)
+
+    def disconnect(self, side: AppSide) -> None:
+        """The client of `side` went away: the app's next receive says so."""
+        if side.complete or side.future is None or side.future.done():
             return
         with contextlib.suppress(RuntimeError):  # the gateway stopped
-            self._loop.call_soon_threadsafe(exchange.gone.set)
+            self._loop.call_soon_threadsafe(side.gone.set)
 
 
 class _Transport:
@@ -163,30 +204,14 @@ def _scope(request: Any, server: tuple) -> dict[str, Any]:
     }
 
 
-class _Exchange:
-    """One request's two halves: the client's on the caller's loop; the app's (`run`, `receive`, `send`) on
-    the gateway loop when the gateway is in this process (a link to another process carries `deliver`)."""
+class _Exchange(AppSide):
+    """One request's two halves: the client's on the caller's loop; the app's on the gateway loop when the
+    gateway is in this process (a link to another process calls `deliver` and `ended` itself)."""
 
     def __init__(self, httpx: ModuleType, body: bytes, caller, link, started, chunks) -> None:
-        self.httpx, self.body, self.caller, self.link = httpx, body, caller, link
+        super().__init__(body)
+        self.httpx, self.caller, self.link = httpx, caller, link
         self.started, self.chunks = started, chunks
-        self.future: concurrent.futures.Future | None = None
-        self.gone = asyncio.Event()  # set, and waited for, on the gateway loop: the client went away
-        self.body_sent = self.complete = False
-
-    async def run(self, app, scope) -> None:
-        await app(scope, self.receive, self.send)
-
-    async def receive(self) -> dict[str, Any]:
-        if not self.body_sent:
-            self.body_sent = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if not self.gone.is_set():  # (the client went away: nobody reads what the app still sends)
-            self.deliver(message)
 
     def deliver(self, message: dict[str, Any]) -> None:
         """An ASGI response message of the app, handed to the client (from any thread)."""
@@ -206,11 +231,6 @@ class _Exchange:
         with contextlib.suppress(RuntimeError):
             self.caller.call_soon_threadsafe(fn, *args)
 
-    def finished(self, future: concurrent.futures.Future) -> None:
-        """The app returned or failed (on the gateway loop): wake the client whatever it waits for."""
-        error = None if future.cancelled() else future.exception()
-        self.ended(None if error is None else f"{type(error).__name__}: {error}", future.cancelled())
-
     def ended(self, error: str | None, cancelled: bool = False) -> None:
         """The app is done (`error`: how it failed): a client still waiting for the rest is failed."""
         if cancelled or error is not None or not self.complete:
@@ -221,7 +241,6 @@ class _Exchange:
             self._deliver(_fail, self.started, self.chunks, failure)
 
     def abandon(self, message: str) -> None:
-        """The gateway stopped without finishing this request (from the stopping thread)."""
         if not self.complete:
             self._deliver(_fail, self.started, self.chunks, self.httpx.RemoteProtocolError(message))
 

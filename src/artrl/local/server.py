@@ -6,8 +6,6 @@ A thread of its own keeps the gateway answering even while the caller's event lo
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
 import threading
 import time
@@ -15,7 +13,7 @@ import time
 import uvicorn
 
 from artrl.config import GatewayConfig
-from artrl.local.in_process import Exchanges, gateway_transport
+from artrl.local.in_process import AppLink, Exchanges, link_transport
 
 
 class GatewayServer:
@@ -57,32 +55,13 @@ class GatewayServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the gateway did not start within {timeout_s} s")
             time.sleep(0.01)
-        self._loop = self._server.servers[0].get_loop()
+        # requests from this process's transports, and from the service process's pipe (service_child)
+        self.link = AppLink(self._app, self._server.servers[0].get_loop(), self._exchanges)
 
     def transport(self, sync: bool = False):
         """An httpx transport to this gateway from the same process, without a socket (see in_process);
         `sync` for a synchronous client."""
-        return gateway_transport(self._app, self._loop, self.host, self.port, self._exchanges, sync)
-
-    def run_exchange(self, exchange) -> None:
-        """Run the app for a request from another process (local/service_child.py): `exchange.run(app)` on
-        this gateway's loop, `exchange.finished(future)` when it ends, `exchange.abandon(why)` if it cannot."""
-        if not self._exchanges.add(exchange):
-            exchange.abandon("the artrl gateway is not running (it stopped)")
-            return
-        work = exchange.run(self._app)
-        try:
-            future = asyncio.run_coroutine_threadsafe(work, self._loop)
-        except RuntimeError as exc:  # the gateway's loop is closed
-            work.close()
-            exchange.abandon(f"the artrl gateway is not running: {exc}")
-            return
-        future.add_done_callback(exchange.finished)
-
-    def call_soon(self, fn, *args) -> None:
-        """fn(*args) on the gateway's loop (nothing once it stopped)."""
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(fn, *args)
+        return link_transport(self.link, self.host, self.port, sync)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.should_exit = True

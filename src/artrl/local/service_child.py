@@ -8,7 +8,6 @@ engine, gateway and trainer is closed first, as `LocalBackend.close` does.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -20,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from artrl.local.backend import LocalBackend
+from artrl.local.in_process import AppLink, AppSide
 from artrl.model import TrainableModel
 
 METHODS = ("register", "train", "train_sft", "log", "export", "delete_checkpoints", "close")
@@ -30,7 +30,7 @@ class _Child:
         self._outbox, self._lock = outbox, threading.Lock()
         self.backend: LocalBackend | None = None
         self.models: dict[tuple[str, str], TrainableModel] = {}
-        self.incoming: dict[int, _Incoming] = {}
+        self.incoming: dict[int, tuple[_Incoming, AppLink]] = {}  # requests the gateway is answering
 
     def send(self, frame: tuple) -> None:
         """One frame to the user's process (any thread); raises only when `frame` does not pickle."""
@@ -70,10 +70,9 @@ class _Child:
                 asyncio.run_coroutine_threadsafe(self._call(*frame[1:]), loop)
             elif kind == "http":
                 self._http(*frame[1:])
-            elif kind == "gone":
-                incoming = self.incoming.get(frame[1])
-                if incoming is not None:
-                    incoming.server.call_soon(incoming.gone.set)
+            elif kind == "gone" and frame[1] in self.incoming:
+                incoming, link = self.incoming[frame[1]]
+                link.disconnect(incoming)
         inbox.close()
         loop.call_soon_threadsafe(stop.set)
 
@@ -118,36 +117,24 @@ class _Child:
         if model is None or backend is None or not backend.registered(model):
             self.send(("end", xid, f"model {key[1]!r} is not served by this artrl service process"))
             return
-        server = backend.service(model).server
-        incoming = _Incoming(self, server, xid, scope, body)
-        self.incoming[xid] = incoming
-        server.run_exchange(incoming)
+        link = backend.service(model).server.link
+        incoming = _Incoming(self, xid, body)
+        self.incoming[xid] = (incoming, link)
+        failure = link.start(incoming, scope)
+        if failure is not None:
+            incoming.abandon(failure)
 
 
-class _Incoming:
+class _Incoming(AppSide):
     """One request from the user's process, run by the gateway app on its loop; its answer goes back as
     frames (one `whole` frame when it comes in one piece)."""
 
-    def __init__(self, child: _Child, server: Any, xid: int, scope: dict[str, Any], body: bytes) -> None:
-        self.child, self.server, self.xid, self.scope, self.body = child, server, xid, scope, body
-        self.gone = asyncio.Event()
+    def __init__(self, child: _Child, xid: int, body: bytes) -> None:
+        super().__init__(body)
+        self.child, self.xid = child, xid
         self.head: tuple[int, list] | None = None  # the response's start, held until its first body part
-        self.body_sent = self.complete = False
 
-    async def run(self, app: Any) -> None:
-        await app(self.scope, self.receive, self.send)
-
-    async def receive(self) -> dict[str, Any]:
-        if not self.body_sent:
-            self.body_sent = True
-            body, self.body = self.body, b""
-            return {"type": "http.request", "body": body, "more_body": False}
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if self.gone.is_set():
-            return
+    def deliver(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
             self.head = (message["status"], headers)
@@ -162,20 +149,14 @@ class _Incoming:
                 self.child.send(("body", self.xid, body, more))
             self.head = None
 
-    def finished(self, future: concurrent.futures.Future) -> None:
+    def ended(self, error: str | None, cancelled: bool = False) -> None:
         self.child.incoming.pop(self.xid, None)
-        error = None if future.cancelled() else future.exception()
-        if future.cancelled() or error is not None or not self.complete:
-            reason = (
-                "cancelled" if future.cancelled() else f"{type(error).__name__}: {error}" if error else None
-            )
-            self.child.send(("end", self.xid, reason))
+        if cancelled or error is not None or not self.complete:
+            self.child.send(("end", self.xid, "cancelled" if cancelled else error))
 
     def abandon(self, message: str) -> None:
-        """The gateway stopped without finishing this request."""
         if not self.complete:
-            self.child.incoming.pop(self.xid, None)
-            self.child.send(("end", self.xid, message))
+            self.ended(message)
 
 
 def main(argv: list[str]) -> None:

@@ -65,28 +65,22 @@ class ServiceProcess:
         self._exchanges: dict[int, Any] = {}
         self._ids = itertools.count()
         self._dead: str | None = None
-        self._started = threading.Lock()
-        self._ports: dict[tuple[str, str], tuple[str, int]] = {}
+        self._servers: dict[tuple[str, str], tuple[str, int]] = {}
 
     # -- the process
 
     def start(self) -> None:
         """Start the child and hand it the backend's settings (a few ms: it imports its modules meanwhile)."""
-        with self._started:
-            if self._proc is not None:
-                return
-            package_root = str(Path(__file__).resolve().parents[2])  # (the folder that holds `artrl`)
-            path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-            self._proc, self._out, inbox = start_piped(
-                "artrl.local.service_child",
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": path},
-                start_new_session=True,  # Ctrl-C stops the user's script, which then closes the child
-            )
-            threading.Thread(
-                target=self._read, args=(inbox,), name="artrl-service-reader", daemon=True
-            ).start()
-            self._send(("init", self._settings))
+        package_root = str(Path(__file__).resolve().parents[2])  # (the folder that holds `artrl`)
+        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        self._proc, self._out, inbox = start_piped(
+            "artrl.local.service_child",
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": path},
+            start_new_session=True,  # Ctrl-C stops the user's script, which then closes the child
+        )
+        threading.Thread(target=self._read, args=(inbox,), name="artrl-service-reader", daemon=True).start()
+        self._send(("init", self._settings))
 
     def _send(self, frame: tuple) -> None:
         """One frame to the child (any thread). ServiceProcessError when it is gone; a frame that does not
@@ -153,8 +147,6 @@ class ServiceProcess:
 
     async def call(self, method: str, *args: Any) -> Any:
         """`method(*args)` of the child's backend; its result, or the exception it raised."""
-        if self._proc is None:
-            await asyncio.to_thread(self.start)
         future: concurrent.futures.Future = concurrent.futures.Future()
         cid = next(self._ids)
         with self._lock:
@@ -171,15 +163,15 @@ class ServiceProcess:
 
     async def register(self, model: TrainableModel) -> tuple[str, str]:
         base_url, api_key, server = await self.call("register", model_settings(model))
-        self._ports[(model.project, model.name)] = server
+        self._servers[(model.project, model.name)] = server
         return base_url, api_key
 
     def transport(self, model: TrainableModel, sync: bool = False) -> Any:
         """An httpx transport to the model's gateway in the child, over the pipe (None: not registered)."""
         key = (model.project, model.name)
-        if key not in self._ports:
+        if key not in self._servers:
             return None
-        return link_transport(_PipeLink(self, key), *self._ports[key], sync)
+        return link_transport(_PipeLink(self, key), *self._servers[key], sync)
 
     async def close(self) -> None:
         """The child's backend closed (its engines, servers, trainers), then the child ended."""
