@@ -47,14 +47,24 @@ def test_decode_attention_equals_sdpa(dtype, tolerance):
     assert torch.allclose(direct.float(), reference, atol=tolerance)
 
 
-def test_decode_attention_leaves_prefill_and_training_to_sdpa():
-    query, key, value, mask = _attention_inputs(torch.float32)
-    long_query = torch.randn(3, 8, 5, 32)
-    long_mask = torch.ones(3, 1, 5, 40, dtype=torch.bool)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_gives_sdpas_numbers_and_training_keeps_gradients(dtype):
+    """A prefill (several queries) with a mask shares each key/value head in the kernel instead of repeating
+    it as transformers' sdpa path does: the very same numbers, padded query rows included."""
+    query, key, value, mask = _attention_inputs(dtype)
+    long_query = torch.randn(3, 8, 5, 32).to(dtype)
+    long_mask = torch.ones(5, 40, dtype=torch.bool).tril(35).expand(3, 1, 5, 40).clone()  # causal, 35 cached
+    long_mask[1, ..., :20] = False  # a left-padded row
+    long_mask[2, :, :2] = False  # two padding queries (a row with fewer new tokens): nothing to attend
     with torch.inference_mode():
         ours, _ = cpu_attention(_Heads(), long_query, key, value, long_mask)
         reference, _ = sdpa_attention_forward(_Heads(), long_query, key, value, long_mask)
-    assert torch.equal(ours, reference)  # the very same function did it
+        causal, _ = cpu_attention(_Heads(), long_query, key, value, None)  # (no mask: sdpa's own way)
+        causal_reference, _ = sdpa_attention_forward(_Heads(), long_query, key, value, None)
+    assert ours.shape == (3, 5, 8, 32) and ours.is_contiguous()
+    assert torch.equal(ours, reference)
+    assert torch.equal(causal, causal_reference)
+    query, key, value, mask = _attention_inputs(torch.float32)
     query.requires_grad_(True)
     out, _ = cpu_attention(_Heads(), query, key, value, mask)
     out.sum().backward()

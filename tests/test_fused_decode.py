@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from artrl.config import EngineConfig
 from artrl.local.cpu_attention import use_cpu_attention
@@ -118,6 +119,58 @@ def test_the_fused_step_gives_the_forwards_logits_and_cache(architecture, dtype,
         assert a.keys.shape == b.keys.shape == (rows, 2, length + 1, 32)
         torch.testing.assert_close(b.keys.float(), a.keys.float(), atol=tolerance * 4, rtol=tolerance)
         torch.testing.assert_close(b.values.float(), a.values.float(), atol=tolerance * 4, rtol=tolerance)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("cached", [0, 12])
+def test_the_fused_prefill_gives_the_forwards_logits_and_states(architecture, dtype, tolerance, cached):
+    """S new tokens per row on top of P cached ones, as the running batch prefills: a row with its whole
+    cached start, one with less (left padding among the cached columns), one with fewer new tokens than S
+    (padding queries, which attend to nothing)."""
+    model = _model(architecture, dtype)
+    fused = FusedDecode.of(model)
+    assert fused is not None
+    rows, new = 3, 7
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, SHAPE["vocab_size"], (rows, new), generator=g)
+    mask = torch.ones(rows, cached + new, dtype=torch.long)
+    mask[1, : cached // 2] = 0  # fewer cached tokens
+    mask[2, : cached + 3] = 0  # nothing cached and 4 new tokens: 3 padding queries
+    ids[2, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, cached:]  # (R, S)
+    past = _cache(model, dtype, rows, cached) if cached else None
+    with torch.inference_mode():
+        states = (
+            [(k.clone(), v.clone()) for k, v in zip(past.key_states(), past.value_states(), strict=True)]
+            if past
+            else []
+        )
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        cache = (
+            DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in states])
+            if states
+            else DynamicCache()
+        )
+        expected = (
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
+            .logits[:, -1]
+            .float()
+        )
+        fused.build()
+        got, keys, values = fused.prefill(ids, positions, mask, states)
+    scale = expected.abs().max()
+    assert (got.float() - expected).abs().max() <= tolerance * scale
+    real = mask.bool()[:, None, :, None]  # (R, 1, P + S, 1) the rows' own tokens (padding may differ)
+    for layer, k, v in zip(cache.layers, keys, values, strict=True):
+        assert k.shape == v.shape == layer.keys.shape == (rows, 2, cached + new, 32)
+        for ours, theirs in ((k, layer.keys), (v, layer.values)):
+            torch.testing.assert_close(
+                torch.where(real, ours, 0).float(), torch.where(real, theirs, 0).float(),
+                atol=tolerance * 4, rtol=tolerance,
+            )  # fmt: skip
+            assert ours.isfinite().all()
 
 
 def test_other_layouts_keep_the_transformers_forward(caplog):

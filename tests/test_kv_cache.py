@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from artrl.local.kv_cache import BatchCache
+from artrl.local.kv_cache import BatchCache, spare
 
 HEADS, DIM = 2, 4
 
@@ -52,4 +52,12 @@ def test_rows_join_decode_and_leave_in_place_like_a_padded_rebuild():
         want = expected(held, cache.length)
         assert torch.equal(cache.key_states()[0], want), step
         assert torch.equal(cache.value_states()[0], -want), step
+        # the whole width (what the fused decode step attends over): one block, the view's columns first,
+        # finite filler after them, and never many more columns than the timeline
+        wide_keys, wide_values = cache.layers[0].wide()
+        assert wide_keys.is_contiguous() and wide_values.is_contiguous(), step
+        assert torch.equal(wide_keys[:, :, : cache.length], want), step
+        assert torch.equal(wide_values[:, :, : cache.length], -want), step
+        assert wide_keys.isfinite().all() and wide_values.isfinite().all(), step
+        assert cache.length <= wide_keys.shape[2] <= cache.length + 2 * spare(cache.length), step
     assert cache.layers[0].rows == len(held)

@@ -205,10 +205,10 @@ class EngineConfig(_Frozen):
     )
     fused_decode: bool = Field(
         default=True,
-        description="embedded engine on CPU, Llama/Qwen2/Qwen3/Mistral layouts: decode steps through artrl's own "
-        "step (local/fused_decode.py: q/k/v and gate/up in one product each, weights packed for oneDNN once per "
-        "training step) instead of the transformers forward: 1.5x (bf16) to 2x (fp32) faster at 8 sequences on "
-        "the 27M model. One more copy of the decoder's linear weights in memory",
+        description="embedded engine on CPU, Llama/Qwen2/Qwen3/Mistral layouts: decode steps and prefills through "
+        "artrl's own forward (local/fused_decode.py: q/k/v and gate/up in one product each, weights packed for "
+        "oneDNN once per training step) instead of the transformers forward: 1.5x (bf16) to 2x (fp32) faster "
+        "decode steps at 8 sequences on the 27M model. One more copy of the decoder's linear weights in memory",
     )
     generation_threads: int | None = Field(
         default=None,

@@ -9,8 +9,11 @@ flash-attention kernel (what transformers' "sdpa" attention calls) is slow.
 - Training in bf16/fp16 (gradients on): the kernel's backward pass in bf16 took 9 ms per layer on the 27M
   model's GRPO step (8 x 104 tokens), a fifth of the step. Plain attention (scores, softmax in fp32,
   weighted values) is quicker while the score matrix is small; above MATH_SCORES_BYTES, sdpa again.
-Everything else (prefill, fp32 training, dropout, attention sinks, soft-capping, position biases) goes to
-transformers' own sdpa function unchanged. The mask is built exactly as for sdpa (sliding windows included).
+- Prefill with a mask (left-padded rows, cached starts) in grouped-query models: the same kernel as transformers'
+  sdpa function, told to share each key/value head among its query heads (that function repeats them into
+  copies whenever there is a mask).
+Everything else (prefill without a mask, fp32 training, dropout, attention sinks, soft-capping, position
+biases) goes to transformers' own sdpa function unchanged. The mask is built exactly as for sdpa (sliding windows included).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -53,6 +57,20 @@ def cpu_attention(
     scale = scaling if scaling is not None else dim**-0.5
     if plain and q_length == 1 and not torch.is_grad_enabled() and query.dtype in _HALF:
         return decode_attention(query, key, value, attention_mask, scale), None
+    if (
+        plain
+        and q_length > 1
+        and not torch.is_grad_enabled()
+        and attention_mask is not None
+        and heads != kv_heads
+    ):
+        # a prefill with a mask: transformers' sdpa path repeats every key and value head per query head (it
+        # lets the kernel share them only without a mask); the kernel's own sharing gives the same numbers
+        # without the copies (27M model, 31 x 95 new tokens over 315: 12 instead of 15 ms per layer)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
+        )  # (B, H, q, D)
+        return out.transpose(1, 2).contiguous(), None
     small = 4 * batch * heads * q_length * length <= MATH_SCORES_BYTES
     if plain and torch.is_grad_enabled() and query.dtype in _HALF and small:
         return _math(query, key, value, attention_mask, scale), None

@@ -3,8 +3,10 @@
 transformers' DynamicCache concatenates each new token's keys and values onto the whole cache, copying all
 of it at every decode step (O(T) bytes per token, O(T²) per sequence). Here each layer keeps a buffer with
 spare columns and spare rows: a decode step writes its column in place and the model attends over a view of
-the filled part; the buffer grows by doubling, so a sequence's cache is copied O(log T) times instead of T
-times. Requests joining the batch are written into free rows and finished ones leave by moving the rows
+the filled part. The columns grow by an eighth of what they hold, at least MIN_SPARE (a copy of the cache
+every 64 steps or more), not by doubling: the fused decode step attends over the buffer's whole width
+(`wide`), one contiguous block per row range, where a view of the filled columns is not and a bf16 batched
+product copies it first, at every layer of every step; so the unused width stays small. Requests joining the batch are written into free rows and finished ones leave by moving the rows
 below them up, so admitting or dropping a sequence copies only what moves, not the whole batch. Rows are
 left-padded to one shared timeline (the attention mask hides the padding).
 """
@@ -14,7 +16,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-MIN_SPARE = 64  # columns of room a buffer gets beyond what it holds
+MIN_SPARE = 64  # fewest columns of room a buffer gets beyond what it holds
+
+
+def spare(length: int) -> int:
+    """Columns of room beyond `length` held columns: an eighth of them, at least MIN_SPARE."""
+    return max(MIN_SPARE, length // 8)
 
 
 def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -39,8 +46,8 @@ class GrowingLayer(CacheLayerMixin):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         batch, _, length, _ = keys.shape
-        self._keys = _room(keys, batch, length + max(MIN_SPARE, length))
-        self._values = _room(values, batch, length + max(MIN_SPARE, length))
+        self._keys = _room(keys, batch, length + spare(length))
+        self._values = _room(values, batch, length + spare(length))
         self._keys[:, :, :length] = keys
         self._values[:, :, :length] = values
         self.rows = batch
@@ -52,6 +59,11 @@ class GrowingLayer(CacheLayerMixin):
     def _view(self) -> None:
         self.keys = self._keys[: self.rows, :, : self.length]  # (B, H, T, D)
         self.values = self._values[: self.rows, :, : self.length]
+
+    def wide(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held rows' keys and values over the buffers' whole width: (B, H, T_cap, D), contiguous; the
+        columns from `length` on are finite filler (zeros, or states of rows that left), to be masked."""
+        return self._keys[: self.rows], self._values[: self.rows]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Never lazy: a layer is made from the keys and values of a prefill."""
@@ -70,13 +82,13 @@ class GrowingLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def _reserve(self, rows: int, length: int, shift: int = 0) -> None:
-        """Buffers with room for `rows` rows and `length` columns (doubling); the rows held move `shift`
-        columns right (a wider timeline) on the way."""
+        """Buffers with room for `rows` rows (doubling) and `length` columns (`spare` more); the rows held
+        move `shift` columns right (a wider timeline) on the way."""
         capacity = self._keys.shape[:3:2]  # (B_cap, T_cap)
         if rows <= capacity[0] and length <= capacity[1] and not shift:
             return
         b = capacity[0] if rows <= capacity[0] else max(rows, 2 * capacity[0])
-        t = capacity[1] if length <= capacity[1] else max(length + MIN_SPARE, 2 * capacity[1])
+        t = capacity[1] if length <= capacity[1] else length + spare(length)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
             new = old if (b, t) == capacity else _room(old, b, t)
@@ -114,11 +126,17 @@ class GrowingLayer(CacheLayerMixin):
                 )
         self.rows = len(kept)
         if trim:
-            for buffer in (self._keys, self._values):
-                buffer[: self.rows, :, : self.length - trim] = buffer[
-                    : self.rows, :, trim : self.length
-                ].clone()
-            self.length -= trim
+            length = self.length - trim
+            # (the columns move through a copy anyway: into tight buffers if these would leave many unused)
+            tight = self._keys.shape[2] > length + 2 * spare(length)
+            for name in ("_keys", "_values"):
+                buffer = getattr(self, name)
+                moved = buffer[: self.rows, :, trim : self.length].clone()
+                if tight:
+                    buffer = _room(buffer, buffer.shape[0], length + spare(length))
+                    setattr(self, name, buffer)
+                buffer[: self.rows, :, :length] = moved
+            self.length = length
         self._view()
 
     def truncate(self, length: int) -> None:
