@@ -79,8 +79,8 @@ async def test_requests_with_one_prompt_share_one_prefill_row_and_sample_as_if_a
 
 
 async def test_a_cache_that_grows_past_its_room_still_matches_transformers_generate(engine, hf_model):
-    """The batch's KV buffers start with room for ~64 more tokens and double: 150 greedy tokens cross two
-    growths, with a second request joining (and the merged buffers re-made) half-way."""
+    """The batch's KV buffers start with room for 64 more tokens and grow by at least 64: 150 greedy tokens
+    cross two growths, with a second request joining (and the merged buffers re-made) half-way."""
     greedy = SamplingParams(max_tokens=150, temperature=0.0)
     first = asyncio.ensure_future(collect(engine, PROMPTS[0], greedy))
     await asyncio.sleep(0.05)
@@ -358,17 +358,23 @@ async def test_the_prefill_hands_the_head_a_contiguous_last_position(hf_model):
     computes logits for each row's last position only, from a contiguous (B, 1, E) copy: torch's bf16 linear
     on the strided view that `logits_to_keep=1` slices took ~200 ms instead of ~0.3 ms for the 27M model's
     head at 31 rows. The tokens stay those of full forwards."""
-    seen: list[bool] = []
+    seen: list[tuple[int, bool]] = []  # (rows, contiguous) of every input the head gets
     head = hf_model.get_output_embeddings()
-    hook = head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    hook = head.register_forward_pre_hook(
+        lambda module, args: seen.append((args[0].shape[0], args[0].is_contiguous()))
+    )
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     config = EngineConfig(max_batch_size=16, fused_decode=False)
     engine = HFEngine(hf_model, max_context=2048, config=config)
     try:
         prompts = [PROMPTS[1], PROMPTS[3]]  # one batched prefill of two rows, 9 and 60 tokens
-        together = await asyncio.gather(*(collect(engine, p, greedy) for p in prompts))
-        assert [t[0] for t in together] == [greedy_by_full_forwards(hf_model, p, 4) for p in prompts]
+        busy = engine.call(lambda: time.sleep(0.3))  # (so that both wait for one admission)
+        streams = [engine.generate(p, greedy, 1)[0] for p in prompts]
+        busy.result(timeout=10)
+        together = [[c.token_id async for c in s] for s in streams]
+        assert together == [greedy_by_full_forwards(hf_model, p, 4) for p in prompts]
     finally:
         await engine.close()
         hook.remove()
-    assert seen and all(seen)
+    assert seen[0][0] == 2  # the prefill: both rows at once (a strided one-row slice would look contiguous)
+    assert all(contiguous for _, contiguous in seen)

@@ -171,6 +171,8 @@ def test_the_fused_prefill_gives_the_forwards_logits_and_states(architecture, dt
                 atol=tolerance * 4, rtol=tolerance,
             )  # fmt: skip
             assert ours.isfinite().all()
+            # tensors of their own (the prefix cache keeps them and counts their bytes), not views of more
+            assert ours.untyped_storage().nbytes() == ours.numel() * ours.element_size()
 
 
 def test_other_layouts_keep_the_transformers_forward(caplog):

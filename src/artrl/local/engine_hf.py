@@ -187,7 +187,7 @@ class HFEngine:
             fused.build()
         except Exception as exc:  # (a module outside the layout, out of memory for the copy)
             log.warning(
-                "decode steps through the transformers forward: the fused step failed to build (%s: %s)",
+                "decode steps and prefills through the transformers forward: the fused forward failed to build (%s: %s)",
                 type(exc).__name__,
                 exc,
             )

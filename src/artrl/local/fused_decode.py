@@ -157,7 +157,7 @@ class FusedDecode:
         ):
             why = "an unexpected module layout"
         if why is not None:
-            log.info("decode steps through the transformers forward: %s", why)
+            log.info("decode steps and prefills through the transformers forward: %s", why)
             return None
         return cls(base)
 
@@ -264,6 +264,8 @@ class FusedDecode:
             q, k, v = self._attention_inputs(layer, hidden, rotary)  # (R, H or H_kv, S, D)
             if past:
                 k, v = torch.cat([past[index][0], k], dim=2), torch.cat([past[index][1], v], dim=2)
+            else:  # tensors of their own: views would hold the layer's whole q/k/v output (the prefix cache
+                k, v = k.contiguous(), v.contiguous()  # keeps them, counting only their own bytes)
             keys.append(k)
             values.append(v)
             out = F.scaled_dot_product_attention(

@@ -6,9 +6,10 @@ spare columns and spare rows: a decode step writes its column in place and the m
 the filled part. The columns grow by an eighth of what they hold, at least MIN_SPARE (a copy of the cache
 every 64 steps or more), not by doubling: the fused decode step attends over the buffer's whole width
 (`wide`), one contiguous block per row range, where a view of the filled columns is not and a bf16 batched
-product copies it first, at every layer of every step; so the unused width stays small. Requests joining the batch are written into free rows and finished ones leave by moving the rows
-below them up, so admitting or dropping a sequence copies only what moves, not the whole batch. Rows are
-left-padded to one shared timeline (the attention mask hides the padding).
+product copies it first, at every layer of every step; so the unused width stays small. Requests joining
+the batch are written into free rows and finished ones leave by moving the rows below them up, so admitting
+or dropping a sequence copies only what moves, not the whole batch. Rows are left-padded to one shared
+timeline (the attention mask hides the padding).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class GrowingLayer(CacheLayerMixin):
     """One layer's keys and values: (B, H, T, D) views of (B_cap, H, T_cap, D) buffers with room for more rows
     and more columns. Rows join (a prefill's) and leave (finished sequences) in place: only the rows that
     move are copied, and all of them only when the shared timeline must widen or the buffers grow. Every
-    column a row does not use (its left padding) holds zeros: masked out, they must stay finite, because an
-    attention probability of 0 times a NaN is a NaN."""
+    column a row does not use (its left padding, and the room after the timeline, which `wide` hands out
+    too) holds zeros: masked out, they must stay finite, because an attention probability of 0 times a NaN
+    is a NaN."""
 
     is_sliding = False
     is_croppable = False
@@ -62,7 +64,7 @@ class GrowingLayer(CacheLayerMixin):
 
     def wide(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The held rows' keys and values over the buffers' whole width: (B, H, T_cap, D), contiguous; the
-        columns from `length` on are finite filler (zeros, or states of rows that left), to be masked."""
+        columns from `length` on are zeros, to be masked."""
         return self._keys[: self.rows], self._values[: self.rows]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -110,6 +112,7 @@ class GrowingLayer(CacheLayerMixin):
         for buffer, states in ((self._keys, keys), (self._values, values)):
             buffer[rows, :, : self.length - length] = 0
             buffer[rows, :, self.length - length : self.length] = states
+            buffer[rows, :, self.length :] = 0  # (a row that left these slots may have held anything)
         self.rows += added
         self._view()
 
@@ -136,12 +139,17 @@ class GrowingLayer(CacheLayerMixin):
                     buffer = _room(buffer, buffer.shape[0], length + spare(length))
                     setattr(self, name, buffer)
                 buffer[: self.rows, :, :length] = moved
+                if not tight:
+                    buffer[: self.rows, :, length : self.length] = 0
             self.length = length
         self._view()
 
     def truncate(self, length: int) -> None:
         """Forget columns from `length` on (a step that failed half-way wrote some layers and not others)."""
-        self.length = min(self.length, length)
+        if length < self.length:
+            self._keys[: self.rows, :, length : self.length] = 0
+            self._values[: self.rows, :, length : self.length] = 0
+            self.length = length
         self._view()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -109,7 +109,7 @@ class RunningBatch:
         self._device = next(model.parameters()).device
         self.pending: list[Request] = []
         self.batch = _Batch()
-        # decode steps without the module tree, once built (set and built by the engine)
+        # decode steps and prefills without the module tree, once built (set and built by the engine)
         self.fused: FusedDecode | None = None
 
     @property
