@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from artrl.local.cpu_attention import decode_attention
+from artrl.local.cpu_attention import decode_attention, grouped_attention
 from artrl.local.kv_cache import BatchCache
 from artrl.local.merged_lora import folded, mergeable
 
@@ -242,9 +242,7 @@ class FusedDecode:
         ids: torch.Tensor,  # (R, S) new tokens, left-padded
         positions: torch.Tensor,  # (R, S)
         mask: torch.Tensor,  # (R, P + S) 1 = a token, 0 = left padding
-        past: list[
-            tuple[torch.Tensor, torch.Tensor]
-        ],  # per layer (R, H_kv, P, D) keys and values; [] if P = 0
+        past: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (R, H_kv, P, D) keys, values; [] if P = 0
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The same forward over S new tokens per row on top of P cached ones (the transformers forward's
         prefill, as `RunningBatch` calls it): logits (R, V) of each row's last position and per layer the
@@ -268,10 +266,8 @@ class FusedDecode:
                 k, v = k.contiguous(), v.contiguous()  # keeps them, counting only their own bytes)
             keys.append(k)
             values.append(v)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attend, scale=self._scale, enable_gqa=True
-            )
-            out = out.transpose(1, 2).reshape(rows, length, self._heads * self._head_dim)  # (R, S, H·D)
+            out = grouped_attention(q, k, v, attend, self._scale)  # (R, S, H, D)
+            out = out.reshape(rows, length, self._heads * self._head_dim)  # (R, S, H·D)
             hidden = self._rest(layer, hidden, out)
         return self._end(hidden), keys, values
 
