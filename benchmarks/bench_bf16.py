@@ -5,7 +5,8 @@ engine and one GRPO training step, with the trainer/sampler logprob mismatch eac
 adapters in fp32 over a bf16 base) and the loss's log-softmax runs in fp32. For each dtype, alternating over
 --rounds: a fresh model with a rank-8 LoRA; --agents sequences of --tokens sampled tokens at once (median of 3
 runs); then training steps on 8 of those sequences (advantages +-1, lr 1e-6), the first step's mismatch
-(before any update: engine and trainer on the same weights) and the median time of the others.
+(before any update: engine and trainer on the same weights) and the median time of the others, with
+artrl's fused LoRA linears and with PEFT's layer forward in turn.
 
     .venv/bin/python benchmarks/bench_bf16.py [--rounds 2] [--agents 32] [--tokens 64]
 
@@ -57,26 +58,33 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
         return sum(len(ids) for ids, _ in out) / (time.perf_counter() - started), out
 
     runs = [asyncio.run(decode()) for _ in range(3)]
-    trainer = Trainer(model, pad_id=0)
+    # the same model trained by artrl's fused LoRA linears and by PEFT's layer forward, step by step in turn
+    trainers = {"fused": Trainer(model, pad_id=0, fused_lora=True), "peft": Trainer(model, pad_id=0)}
     rows = []
     for i, (ids, logprobs) in enumerate(runs[-1][1][:8]):
         row = Row(trajectory=i, advantage=1.0 if i % 2 else -1.0, weight=1.0)
         row.extend(prompt, sampled=False)
         row.extend(ids, sampled=True, logprobs=logprobs)
         rows.append(row)
-    steps, first = [], {}
-    for k in range(args.train_steps):
+    steps: dict[str, list[float]] = {"fused": [], "peft": []}
+    first: dict[str, Any] = {}
+    for k in range(2 * args.train_steps):
+        name = ("fused", "peft")[k % 2]
+        trainer = trainers[name]
         started = time.perf_counter()
-        metrics = engine.call(lambda: trainer.step(TrainingBatch(rows=rows), TrainConfig(learning_rate=1e-6)))
+        metrics = engine.call(
+            lambda t=trainer: t.step(TrainingBatch(rows=rows), TrainConfig(learning_rate=1e-6))
+        )
         result = metrics.result()
-        steps.append(time.perf_counter() - started)
+        steps[name].append(time.perf_counter() - started)
         if k == 0:
             first = result
     asyncio.run(engine.close())
     return {
         "tok_s": statistics.median(r[0] for r in runs),
         "tok_s_runs": [r[0] for r in runs],
-        "train_s": statistics.median(steps[1:]),
+        "train_s": statistics.median(steps["fused"][1:]),
+        "train_s_peft": statistics.median(steps["peft"][1:]),
         "mismatch_mean": first["logprob_mismatch_mean"],
         "mismatch_max": first["logprob_mismatch_max"],
         "mismatch_fraction": first["logprob_mismatch_fraction"],
@@ -85,7 +93,8 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
 
 def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, wall: float) -> str:
     info = machine_info()
-    med = {d: {k: statistics.median(r[k] for r in results[d]) for k in ("tok_s", "train_s")} for d in DTYPES}
+    keys = ("tok_s", "train_s", "train_s_peft")
+    med = {d: {k: statistics.median(r[k] for r in results[d]) for k in keys} for d in DTYPES}
     lines = [
         SECTION_HEADING,
         "",
@@ -93,23 +102,33 @@ def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         f"torch {info['torch']}, Python {info['python']}",
         f"- `small` preset (~27M parameters) with a rank-8 LoRA; decode: {args.agents} sequences x {args.tokens} "
         f"tokens at once (40-token prompt), median of 3 runs; train: one GRPO step on 8 of those sequences, median "
-        f"of {args.train_steps - 1} steps; {args.rounds} round(s), dtypes alternating, a fresh model each",
+        f"of {args.train_steps - 1} steps with artrl's fused LoRA linears (`TrainerConfig.fused_lora`, the default) "
+        f"and as many with PEFT's layer forward, the two taking turns step by step on the same model (lr 1e-6); "
+        f"{args.rounds} round(s), dtypes alternating, a fresh model each",
         f"- Command: `{command_line()}`; wall time {wall:.0f} s",
         "",
-        "| dtype | decode tok/s | train step s | mismatch mean | mismatch max | fraction > 0.5 | per round (tok/s; s) |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| dtype | decode tok/s | train step s | train step s, PEFT's forward | mismatch mean | mismatch max | "
+        "fraction > 0.5 | per round (tok/s; s; PEFT s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for d in DTYPES:
         rs = results[d]
         lines.append(
-            f"| {d} | {med[d]['tok_s']:.0f} | {med[d]['train_s']:.3f} | {rs[0]['mismatch_mean']:.2e} | "
-            f"{rs[0]['mismatch_max']:.2e} | {rs[0]['mismatch_fraction']:.3f} | "
-            + "; ".join(f"{r['tok_s']:.0f}, {r['train_s']:.3f}" for r in rs)
+            f"| {d} | {med[d]['tok_s']:.0f} | {med[d]['train_s']:.3f} | {med[d]['train_s_peft']:.3f} | "
+            f"{rs[0]['mismatch_mean']:.2e} | {rs[0]['mismatch_max']:.2e} | {rs[0]['mismatch_fraction']:.3f} | "
+            + "; ".join(f"{r['tok_s']:.0f}, {r['train_s']:.3f}, {r['train_s_peft']:.3f}" for r in rs)
             + " |"
         )
     speed = med["bfloat16"]["tok_s"] / med["float32"]["tok_s"]
     train = med["float32"]["train_s"] / med["bfloat16"]["train_s"]
-    lines += ["", f"bf16 / fp32: decode {speed:.2f}x, training step {train:.2f}x faster.", ""]
+    peft = {d: med[d]["train_s_peft"] / med[d]["train_s"] for d in DTYPES}
+    lines += [
+        "",
+        f"bf16 / fp32: decode {speed:.2f}x, training step {train:.2f}x faster "
+        f"(with PEFT's forward: {med['float32']['train_s_peft'] / med['bfloat16']['train_s_peft']:.2f}x). "
+        f"Fused LoRA linears / PEFT's forward: fp32 {peft['float32']:.2f}x, bf16 {peft['bfloat16']:.2f}x faster.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -22,9 +22,10 @@ import artrl.storage
 from artrl.config import EngineConfig, TrainerConfig
 from artrl.local.batch import TrainingBatch
 from artrl.local.loading import load_model_and_tokenizer
+from artrl.local.logprobs import token_logprobs
 from artrl.local.row_shards import rank_micro_batches, shard_rows
 from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter, idle_row, load_adapter, token_logprobs
+from artrl.local.trainer import Trainer, attach_adapter, idle_row, load_adapter
 from artrl.local.trainer_rank import optimizer_state_by_index, optimizer_state_by_name
 from artrl.local.trainer_ranks import (
     TrainerRanks,

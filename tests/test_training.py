@@ -208,9 +208,10 @@ def test_chunked_logprobs_equal_full_logits(tiny_model_dir):
     """The lm_head runs in chunks under checkpointing: values and gradients equal the plain computation."""
     from transformers import AutoModelForCausalLM
 
+    from artrl.local.logprobs import token_logprobs
     from artrl.local.pack import collate
     from artrl.local.rows import Row
-    from artrl.local.trainer import attach_adapter, token_logprobs
+    from artrl.local.trainer import attach_adapter
 
     model = attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), artrl.LoraConfig())
     torch.manual_seed(0)
@@ -246,9 +247,10 @@ def test_a_bf16_base_trains_its_fp32_adapter_under_autocast(tiny_model_dir):
     logprobs stay fp32 and within bf16 rounding of the products in fp32, and chunks change nothing."""
     from transformers import AutoModelForCausalLM
 
+    from artrl.local.logprobs import token_logprobs
     from artrl.local.pack import collate
     from artrl.local.rows import Row
-    from artrl.local.trainer import attach_adapter, token_logprobs
+    from artrl.local.trainer import attach_adapter
 
     def build(dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
@@ -294,3 +296,86 @@ async def test_models_registered_at_once_all_load(tiny_model_dir, tmp_path):
         await asyncio.gather(*(m.register(backend) for m in models))
         groups = await asyncio.gather(*(rollouts(m, [1.0, 0.0], max_tokens=4) for m in models))
         assert all(len(g.trajectories) == 2 for g in groups)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "mistral_sliding", "gpt_oss", "gemma2"])
+def test_right_padded_rows_train_without_a_mask_and_give_the_masked_results(architecture):
+    """`collate` pads rows on the right, so token_logprobs hands the decoder no mask (causal attention alone):
+    logprobs and gradients equal a forward with the padding mask, for sliding windows and attention sinks
+    too; a batch padded on the left keeps its mask."""
+    import transformers as tf
+
+    from artrl.local.cpu_attention import use_cpu_attention
+    from artrl.local.logprobs import _padding_mask, token_logprobs
+    from artrl.local.pack import collate
+    from artrl.local.rows import Row
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    config, cls = {
+        "qwen3": (tf.Qwen3Config(**shape), tf.Qwen3ForCausalLM),
+        "mistral_sliding": (tf.MistralConfig(**shape, sliding_window=8), tf.MistralForCausalLM),
+        "gpt_oss": (
+            tf.GptOssConfig(**shape, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+            tf.GptOssForCausalLM,
+        ),
+        "gemma2": (tf.Gemma2Config(**shape, sliding_window=8), tf.Gemma2ForCausalLM),
+    }[architecture]
+    torch.manual_seed(0)
+    model = cls(config)
+    use_cpu_attention(model)
+    rows = [
+        Row(list(range(5, 40)), [0] * 10 + [1] * 25, [0.0] * 35, advantage=1.0),
+        Row(list(range(50, 70)), [0] * 5 + [1] * 15, [0.0] * 20, advantage=-1.0),
+    ]
+    batch = collate(rows, torch.device("cpu"))
+    assert _padding_mask(batch.attention) is None
+    lp, _ = token_logprobs(model, batch, None)  # (B, T-1)
+    (lp * batch.mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]  # (B, T-1, V)
+    reference = torch.log_softmax(logits.float(), -1).gather(-1, batch.ids[:, 1:, None])[..., 0]
+    (reference * batch.mask).sum().backward()
+    trained = batch.mask.bool()
+    assert torch.allclose(lp[trained], reference[trained], atol=1e-5)
+    for mine, theirs in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        if theirs is not None:
+            assert torch.allclose(mine, theirs, atol=1e-5 * float(theirs.abs().max()) + 1e-8)
+    left = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert _padding_mask(left) is left and _padding_mask(torch.tensor([[1, 0, 1]])) is not None
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "cohere", "granite"])
+def test_the_trainers_logprobs_are_the_models_own_after_its_head_transform(architecture):
+    """token_logprobs calls the lm_head itself: the model's soft-capping (Gemma) or logit scaling (Cohere,
+    Granite) is applied as its forward does, so the trainer's logprobs are those the engine samples from."""
+    import transformers as tf
+
+    from artrl.local.logprobs import token_logprobs
+    from artrl.local.pack import collate
+    from artrl.local.rows import Row
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    config, cls = {
+        "gemma2": (tf.Gemma2Config(**shape, final_logit_softcapping=2.0), tf.Gemma2ForCausalLM),
+        "cohere": (tf.CohereConfig(**shape, logit_scale=0.25), tf.CohereForCausalLM),
+        "granite": (tf.GraniteConfig(**shape, logits_scaling=4.0), tf.GraniteForCausalLM),
+    }[architecture]
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():  # logits large enough for the transform to matter
+        model.get_output_embeddings().weight.mul_(50.0)
+    batch = collate([Row(list(range(5, 40)), [0] * 10 + [1] * 25, [0.0] * 35)], torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch, None)  # (1, T-1)
+        logits = model(input_ids=batch.ids).logits[:, :-1].float()  # (1, T-1, V)
+    reference = torch.log_softmax(logits, -1).gather(-1, batch.ids[:, 1:, None])[..., 0]
+    plain = torch.log_softmax(
+        model.get_output_embeddings()(model.model(batch.ids).last_hidden_state[:, :-1]), -1
+    )
+    plain = plain.gather(-1, batch.ids[:, 1:, None])[..., 0]
+    trained = batch.mask.bool()
+    assert torch.allclose(lp[trained], reference[trained], atol=1e-4)
+    assert not torch.allclose(plain[trained], reference[trained], atol=1e-2)  # (the transform matters here)

@@ -45,6 +45,20 @@ class TrainerConfig(_Frozen):
         description="one device per rank, e.g. ('cuda:1', 'cuda:2'); None = cuda:0..N-1 when the engine's "
         "device is CUDA, else cpu",
     )
+    fused_lora: bool = Field(
+        default=True,
+        description="ranks=1: each plain LoRA linear trains through one fused autograd product (local/fused_lora.py: "
+        "the adapter's product added into the base output, its scale folded into B, no input casts) instead of "
+        "PEFT's layer forward: the same gradients, ~1.3x faster bf16 steps on a CPU. Layers with dropout, DoRA or "
+        "a LoRA bias keep PEFT's forward either way",
+    )
+    share_prompts: bool = Field(
+        default=True,
+        description="ranks=1: rows that begin with the same prompt (a group's rollouts of one scenario) train in "
+        "micro-batches of their own that compute the prompt once, its keys and values shared by every row "
+        "(local/logprobs.py): the same loss and gradients for fewer tokens (the maze demo's rows: 46% fewer). Not "
+        "under gradient_checkpointing, nor for models with linear-attention layers",
+    )
     start_timeout_s: float = Field(default=600.0, gt=0, description="until every rank has loaded the model")
     call_timeout_s: float = Field(
         default=3600.0, gt=0, description="one train, train_sft or checkpoint call on the ranks, end to end"

@@ -1,4 +1,9 @@
-"""Packing rows into micro-batches under a token budget, and turning a micro-batch into tensors."""
+"""Packing rows into micro-batches under a token budget, and turning a micro-batch into tensors.
+
+`pack_by_prompt` also puts rows that share a prompt (a group's rollouts of one scenario: the same system
+message, tools and question) into micro-batches of their own, and `collate(..., shared=...)` marks how many
+first positions every row of one has in common, which the trainer's forward then computes once
+(local/logprobs.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ class MicroBatch:
     behaviour: torch.Tensor  # (B, T-1) float: behaviour logprob of each target token (NaN unknown)
     advantages: torch.Tensor  # (B,)
     weights: torch.Tensor  # (B,)
+    shared: int = 0  # every row's first `shared` ids are the same, and none of ids[1:shared] is a target
 
 
 def pack(rows: list[Row], max_tokens: int) -> list[list[int]]:
@@ -32,7 +38,10 @@ def pack(rows: list[Row], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-def collate(rows: list[Row], device: torch.device, pad_id: int = 0) -> MicroBatch:
+def collate(rows: list[Row], device: torch.device, pad_id: int = 0, shared: int = 0) -> MicroBatch:
+    """Right-padded tensors of `rows`; `shared` as `shared_prompt(rows)` gives it, or 0."""
+    if shared and shared > shared_prompt(rows):
+        raise ValueError(f"collate(shared={shared}): these rows share {shared_prompt(rows)} prompt positions")
     length = max(len(r.ids) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)  # (B, T)
     attention = torch.zeros((len(rows), length), dtype=torch.long)  # (B, T)
@@ -51,4 +60,79 @@ def collate(rows: list[Row], device: torch.device, pad_id: int = 0) -> MicroBatc
         behaviour=behaviour[:, 1:].to(device),
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
         weights=torch.tensor([r.weight for r in rows], dtype=torch.float32, device=device),
+        shared=shared,
     )
+
+
+# A shared prompt is computed once when that saves at least this share of the rows' positions, and at least
+# MIN_SHARED_SAVING of them: its separate decoder pass, the mask over the cached positions and the repeated
+# keys and values cost something (tiny model: 16 SFT rows sharing 15% of their positions trained 6% slower
+# that way, a group sharing 46% 1.3x faster).
+MIN_SHARED_FRACTION = 0.25
+MIN_SHARED_SAVING = 256
+
+
+def _worth_sharing(shared: int, rows: list[Row]) -> bool:
+    saved = shared * (len(rows) - 1)
+    return saved >= MIN_SHARED_SAVING and saved >= MIN_SHARED_FRACTION * sum(len(r.ids) for r in rows)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _prompt_length(row: Row) -> int:
+    """Positions before the row's first trained target (the first token with mask 1 after position 0)."""
+    return next((t for t in range(1, len(row.mask)) if row.mask[t]), len(row.ids))
+
+
+def shared_prompt(rows: list[Row]) -> int:
+    """How many first positions every row has in common, up to its first trained target; 0 when computing
+    them once is not worth it (`_worth_sharing`; one row)."""
+    if len(rows) < 2:
+        return 0
+    first = rows[0].ids
+    shared = min(min(_common(first, r.ids) for r in rows[1:]), min(_prompt_length(r) for r in rows))
+    return shared if _worth_sharing(shared, rows) else 0
+
+
+def pack_by_prompt(rows: list[Row], max_tokens: int) -> list[list[int]]:
+    """Like `pack`, but rows sharing a prompt go into micro-batches of their own, each within max_tokens
+    counting the shared positions once (so more rows fit); every other row is packed as by `pack`.
+
+    Rows sorted by their ids lie next to those they share most with; a run of them is one prompt's rows
+    while adding the next row saves more positions than it loses (the common part only shrinks)."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i].ids)
+    runs: list[list[int]] = []
+    shared: list[int] = []  # per run
+    for i in order:
+        prompt = _prompt_length(rows[i])
+        if runs:
+            run = runs[-1]
+            with_it = min(shared[-1], _common(rows[run[0]].ids, rows[i].ids), prompt)
+            if with_it * len(run) >= shared[-1] * (len(run) - 1) and with_it > 1:
+                run.append(i)
+                shared[-1] = with_it
+                continue
+        runs.append([i])
+        shared.append(min(prompt, len(rows[i].ids)))
+    batches: list[list[int]] = []
+    alone: list[int] = []
+    for run, common in zip(runs, shared, strict=True):
+        if len(run) < 2 or not _worth_sharing(common, [rows[i] for i in run]):
+            alone += run
+            continue
+        run.sort(key=lambda i: len(rows[i].ids), reverse=True)  # (longest first: little padding)
+        batch: list[int] = []
+        for i in run:  # the shared positions once, then every row's own (padded to the longest, the first)
+            own = len(rows[(batch or [i])[0]].ids) - common
+            if batch and common + (len(batch) + 1) * own > max_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        batches.append(batch)
+    return batches + [[alone[k] for k in micro] for micro in pack([rows[i] for i in alone], max_tokens)]

@@ -106,7 +106,12 @@ class LocalService:
             if trainable:
                 model = attach_adapter(model, lora)
                 if trainer_config.ranks == 1:
-                    trainer = Trainer(model, pad_id=tokenizer.pad_token_id or 0)
+                    trainer = Trainer(
+                        model,
+                        pad_id=tokenizer.pad_token_id or 0,
+                        fused_lora=trainer_config.fused_lora,
+                        share_prompts=trainer_config.share_prompts,
+                    )
                     if resume_from is not None:
                         trainer.load(str(resume_from))
                 elif lora is not None and resume_from is not None:

@@ -7,7 +7,6 @@ generation pauses between two token steps, and the next token is sampled from th
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import time
 from collections.abc import Callable
@@ -15,12 +14,13 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from artrl.config import LoraConfig, SFTConfig, TrainConfig
 from artrl.local.batch import TrainingBatch
+from artrl.local.fused_lora import FusedLoraTraining
+from artrl.local.logprobs import shares_prefixes, token_logprobs, unwrapped
 from artrl.local.loss import LossTerms, policy_loss, sft_loss
-from artrl.local.pack import MicroBatch, collate, pack
+from artrl.local.pack import MicroBatch, collate, pack, pack_by_prompt, shared_prompt
 from artrl.local.rows import NO_LOGPROB, Row
 
 
@@ -41,67 +41,6 @@ def attach_adapter(model: Any, lora: LoraConfig | None) -> Any:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
-
-
-def _inner(model: Any) -> Any:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits one lm_head chunk may hold when no chunk size is given
-
-
-def _autocast(inner: Any) -> contextlib.AbstractContextManager[Any]:
-    """Base weights in bf16/fp16: the forward under autocast at that dtype, so that the fp32 LoRA adapter's
-    products run at it too (its weights stay the fp32 masters the optimizer updates; on a CPU the skinny
-    fp32 products of a rank-8 adapter were ~40% of a bf16 step). fp32 weights: nothing changes."""
-    weight = inner.get_input_embeddings().weight
-    if weight.dtype not in (torch.bfloat16, torch.float16):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=weight.device.type, dtype=weight.dtype)
-
-
-def token_logprobs(
-    model: Any, batch: MicroBatch, chunk: int | None, with_entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(token t+1 | tokens ≤ t) and that distribution's entropy, (B, T-1) each, at the positions whose
-    target is trainable (`batch.mask`; 0 elsewhere).
-
-    Only those positions go through the lm_head, `chunk` at a time (None: as many as LOGITS_CHUNK_BYTES of
-    fp32 logits hold); with more than one chunk each runs under activation checkpointing, so the
-    (positions x vocab) logits never exist at once, forward or backward.
-    """
-    inner = _inner(model)
-    with _autocast(inner):
-        hidden = inner.get_decoder()(
-            input_ids=batch.ids, attention_mask=batch.attention
-        ).last_hidden_state  # (B,T,H)
-    head = inner.get_output_embeddings()
-    if chunk is None:
-        chunk = max(64, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))
-    where = batch.mask.nonzero(as_tuple=True)  # ((N,), (N,)) trainable target positions
-    picked_hidden = hidden[:, :-1][where]  # (N, H)
-    targets = batch.ids[:, 1:][where]  # (N,)
-
-    def piece(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax(head(h).float(), dim=-1)  # (c, V)
-        picked = logp.gather(-1, y[:, None])[:, 0]  # (c,)
-        entropy = -(logp.exp() * logp).sum(-1).detach() if with_entropy else torch.zeros_like(picked)  # (c,)
-        return picked, entropy
-
-    recompute = torch.is_grad_enabled() and len(targets) > chunk
-    with _autocast(inner):  # (a recomputed chunk restores the autocast state it was computed under)
-        parts = [
-            checkpoint(piece, picked_hidden[s : s + chunk], targets[s : s + chunk], use_reentrant=False)
-            if recompute
-            else piece(picked_hidden[s : s + chunk], targets[s : s + chunk])
-            for s in range(0, len(targets), chunk)
-        ]
-    lp = torch.cat([p[0] for p in parts]) if parts else hidden.new_zeros(0)  # (N,)
-    entropy = torch.cat([p[1] for p in parts]) if parts else hidden.new_zeros(0)  # (N,)
-    shape = batch.mask.shape  # (B, T-1)
-    full_lp = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put(where, lp)  # (B, T-1)
-    full_entropy = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put(where, entropy)  # (B, T-1)
-    return full_lp, full_entropy
 
 
 def _record_logprobs(
@@ -214,15 +153,19 @@ def idle_row(rows: list[Row]) -> Row:
 class Trainer:
     """The training loops over `model`. One process by default; a trainer rank (trainer_rank.py) passes
     `logprobs` (the forward through its FSDP root), `micro_batches` (its share of each step's rows, [] = a
-    pass that trains nothing and keeps the ranks' collectives in step) and `across` (metric reduction)."""
+    pass that trains nothing and keeps the ranks' collectives in step) and `across` (metric reduction).
+    `fused_lora`: plain LoRA linears train through `fused_lora.FusedLoraLinear` (TrainerConfig.fused_lora);
+    `share_prompts`: rows sharing a prompt compute it once (TrainerConfig.share_prompts; logprobs.py)."""
 
     def __init__(
         self,
         model: Any,
         pad_id: int,
         logprobs: Logprobs | None = None,
-        micro_batches: Callable[[list[Row], int], list[list[int]]] = pack,
+        micro_batches: Callable[[list[Row], int], list[list[int]]] | None = None,
         across: Reduction | None = None,
+        fused_lora: bool = False,
+        share_prompts: bool = False,
     ) -> None:
         self.model = model
         self.pad_id = pad_id
@@ -237,8 +180,11 @@ class Trainer:
         self.logprobs: Logprobs = logprobs or (
             lambda mb, chunk, with_entropy: token_logprobs(model, mb, chunk, with_entropy)
         )
+        # (a shared prompt's keys and values come from the decoder's cache: plain attention layers only)
+        self.share_prompts = share_prompts and logprobs is None and shares_prefixes(model)
         self.micro_batches = micro_batches
         self.across: Reduction = across or OneProcess()
+        self._fused = FusedLoraTraining.of(model) if fused_lora else None
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
         """GRPO: rows (with their advantages) → micro-batches → logprobs → loss → backward, then clip and
@@ -256,11 +202,11 @@ class Trainer:
                 if not rows:
                     continue
                 normaliser = _normaliser(rows)  # (of all the slice's rows: every rank sees them all)
-                for micro in self.micro_batches(rows, config.max_tokens_per_microbatch):
+                for micro in self._micro_batches(rows, config):
                     if not micro:
                         self._idle_pass(rows, config.logprob_chunk_size, config.kl_coef > 0)
                         continue
-                    mb = collate([rows[i] for i in micro], self.device, self.pad_id)
+                    mb = self._collate([rows[i] for i in micro], config)
                     lp, entropy = self.logprobs(mb, config.logprob_chunk_size, True)  # (B, T-1) each
                     if config.save_rows:  # for the step's record (the dashboard's token view)
                         _record_logprobs(
@@ -290,11 +236,11 @@ class Trainer:
             for rows in filter(None, steps):
                 normaliser = _normaliser(rows)
                 step_loss = 0.0
-                for micro in self.micro_batches(rows, config.max_tokens_per_microbatch):
+                for micro in self._micro_batches(rows, config):
                     if not micro:
                         self._idle_pass(rows, config.logprob_chunk_size, False)
                         continue
-                    mb = collate([rows[i] for i in micro], self.device, self.pad_id)
+                    mb = self._collate([rows[i] for i in micro], config)
                     lp, entropy = self.logprobs(mb, config.logprob_chunk_size, True)  # (B, T-1) each
                     micro_loss = sft_loss(lp, mb.mask, mb.weights, normaliser)
                     micro_loss.backward()
@@ -322,16 +268,35 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
         if config.gradient_checkpointing:  # (on for this call only: generation never checkpoints)
-            _inner(self.model).activation_checkpointing_enable({"use_reentrant": False})
+            unwrapped(self.model).activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()
+        if self._fused is not None:  # (PEFT's modules back in _end: saving and merging see them)
+            self._fused.fuse()
 
     def _end(self) -> None:
+        if self._fused is not None:
+            self._fused.restore()
         self.model.eval()
-        inner = _inner(self.model)
+        inner = unwrapped(self.model)
         if inner.is_activation_checkpointing:
             inner.activation_checkpointing_disable()
             inner.disable_input_require_grads()  # (its embedding hook would outlive the call otherwise)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _sharing(self, config: TrainConfig | SFTConfig) -> bool:
+        """Whether this call computes shared prompts once (not under activation checkpointing, which runs the
+        decoder without its cache)."""
+        return self.share_prompts and not config.gradient_checkpointing
+
+    def _micro_batches(self, rows: list[Row], config: TrainConfig | SFTConfig) -> list[list[int]]:
+        if self.micro_batches is not None:
+            return self.micro_batches(rows, config.max_tokens_per_microbatch)
+        packing = pack_by_prompt if self._sharing(config) else pack
+        return packing(rows, config.max_tokens_per_microbatch)
+
+    def _collate(self, rows: list[Row], config: TrainConfig | SFTConfig) -> MicroBatch:
+        """A micro-batch's tensors, with its shared prompt when there is one to compute once."""
+        return collate(rows, self.device, self.pad_id, shared_prompt(rows) if self._sharing(config) else 0)
 
     def _reference_logprobs(self, mb: MicroBatch, config: TrainConfig) -> torch.Tensor:
         """The base policy's logprobs (the adapter disabled: no second copy of the weights), no grad."""

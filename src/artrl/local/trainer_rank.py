@@ -26,10 +26,11 @@ from torch import nn
 from artrl.config import EngineConfig, LoraConfig, SFTConfig, TrainConfig
 from artrl.local.batch import TrainingBatch
 from artrl.local.loading import load_model_and_tokenizer
+from artrl.local.logprobs import token_logprobs
 from artrl.local.pack import MicroBatch
 from artrl.local.row_shards import rank_micro_batches
 from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter, token_logprobs
+from artrl.local.trainer import Trainer, attach_adapter
 
 
 @dataclass(frozen=True)
