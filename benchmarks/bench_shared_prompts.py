@@ -43,7 +43,9 @@ def group_rows(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
             row.extend(prompt, sampled=False)
             while len(row.ids) < args.prompt_tokens + rng.randrange(args.own // 2, args.own * 3 // 2):
                 n = rng.randrange(8, 16)  # a call (sampled), then its result (prompt)
-                row.extend([rng.randrange(10, vocab) for _ in range(n)], True, [-rng.random() for _ in range(n)])
+                row.extend(
+                    [rng.randrange(10, vocab) for _ in range(n)], True, [-rng.random() for _ in range(n)]
+                )
                 row.extend([rng.randrange(10, vocab) for _ in range(30)], sampled=False)
             rows.append(row)
     return rows
