@@ -14,7 +14,6 @@ It replaces the section `## Asynchronous rollouts (bench_async.py)` of benchmark
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, alternating, command_line, machine_info, publish
+from harness import HERE, alternating, command_line, dated_machine_line, publish
 
 SECTION_HEADING = "## Asynchronous rollouts (bench_async.py)"
 DEMO = HERE.parent / "examples" / "train_agent.py"
@@ -54,12 +53,10 @@ def demo(path: Path, out: Path, ahead: int, args: argparse.Namespace) -> dict[st
 
 
 def section(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, wall: float) -> str:
-    info = machine_info()
     lines = [
         SECTION_HEADING,
         "",
-        f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; machine: nproc={info['nproc']}, CPU: {info['cpu']}, "
-        f"torch {info['torch']}, Python {info['python']}",
+        dated_machine_line(),
         f"- The maze demo, seed {args.seed}, engine {args.engine}, {args.steps} GRPO steps (4 mazes x 8 rollouts, "
         f"LoRA r8), validation on 96 mazes before and after only; {args.rounds} round(s), the two modes "
         "alternating, one cached warm start; GRPO s = rollouts + training (medians over rounds)",

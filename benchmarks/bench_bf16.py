@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, alternating, command_line, ensure_model, machine_info, publish
+from harness import HERE, alternating, command_line, dated_machine_line, ensure_model, publish
 
 SECTION_HEADING = "## bf16 vs fp32 (bench_bf16.py)"
 DTYPES = ("float32", "bfloat16")
@@ -92,14 +91,12 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
 
 
 def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, wall: float) -> str:
-    info = machine_info()
     keys = ("tok_s", "train_s", "train_s_peft")
     med = {d: {k: statistics.median(r[k] for r in results[d]) for k in keys} for d in DTYPES}
     lines = [
         SECTION_HEADING,
         "",
-        f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; machine: nproc={info['nproc']}, CPU: {info['cpu']}, "
-        f"torch {info['torch']}, Python {info['python']}",
+        dated_machine_line(),
         f"- `small` preset (~27M parameters) with a rank-8 LoRA; decode: {args.agents} sequences x {args.tokens} "
         f"tokens at once (40-token prompt), median of 3 runs; train: one GRPO step on 8 of those sequences, median "
         f"of {args.train_steps - 1} steps with artrl's fused LoRA linears (`TrainerConfig.fused_lora`, the default) "

@@ -15,7 +15,6 @@ It replaces the section `## Memory settings (bench_memory.py)` of benchmarks/RES
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import random
 import statistics
@@ -27,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, ensure_model, machine_info, maxrss_mib, publish
+from harness import HERE, command_line, dated_machine_line, ensure_model, maxrss_mib, publish
 
 SECTION_HEADING = "## Memory settings (bench_memory.py)"
 SETTINGS = [(dtype, gc) for dtype in ("float32", "bfloat16") for gc in (False, True)]
@@ -75,12 +74,10 @@ def worker(folder: str, dtype: str, checkpointing: bool, args: argparse.Namespac
 
 
 def section(results: dict[tuple[str, bool], dict[str, Any]], args: argparse.Namespace, wall: float) -> str:
-    info = machine_info()
     lines = [
         SECTION_HEADING,
         "",
-        f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; machine: nproc={info['nproc']}, CPU: {info['cpu']}, "
-        f"torch {info['torch']}, Python {info['python']}",
+        dated_machine_line(),
         f"- `small` preset (~27M parameters), rank-8 LoRA; one GRPO step = {args.rows} sequences x {args.tokens} "
         f"tokens (half of them trained) in one micro-batch; peak RSS growth during the steps over the RSS before "
         f"them; step time: median of {args.steps} after a warm-up; each setting in a fresh subprocess",

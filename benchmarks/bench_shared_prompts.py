@@ -15,7 +15,6 @@ The section `## Shared prompts in training (bench_shared_prompts.py)` of benchma
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import random
 import statistics
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, ensure_model, machine_info, publish
+from harness import HERE, command_line, dated_machine_line, ensure_model, publish
 
 SECTION_HEADING = "## Shared prompts in training (bench_shared_prompts.py)"
 SETTINGS = (("tiny", "float32"), ("small", "float32"), ("small", "bfloat16"))
@@ -88,12 +87,10 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
 
 
 def section(results: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespace, wall: float) -> str:
-    info = machine_info()
     lines = [
         SECTION_HEADING,
         "",
-        f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC; machine: nproc={info['nproc']}, CPU: {info['cpu']}, "
-        f"torch {info['torch']}, Python {info['python']}",
+        dated_machine_line(),
         f"- One GRPO step = {args.groups} groups x {args.group_size} rows; each row a {args.prompt_tokens}-token "
         f"prompt shared by its group, then ~{args.own} tokens of its own (sampled calls of 8-15 tokens, 30-token "
         "results); rank-8 LoRA (fused linears), one optimizer step per call, max_tokens_per_microbatch 4096; the two "

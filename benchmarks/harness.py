@@ -4,6 +4,7 @@ resource readings, and writing one section of benchmarks/RESULTS.md."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import platform
@@ -40,6 +41,16 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+
+
+def dated_machine_line() -> str:
+    """The `- Date: ...; machine: ...` line that heads a section's settings."""
+    info = machine_info()
+    now = dt.datetime.now(dt.UTC)
+    return (
+        f"- Date: {now:%Y-%m-%d %H:%M} UTC; machine: nproc={info['nproc']}, CPU: {info['cpu']}, "
+        f"torch {info['torch']}, Python {info['python']}"
+    )
 
 
 def command_line() -> str:
