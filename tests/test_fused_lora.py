@@ -123,10 +123,11 @@ def test_a_training_call_leaves_peft_modules_and_changes_every_adapter_weight(ti
     for fused in (False, True):
         model = lora_model(tiny_model_dir)
         keys, types = list(model.state_dict()), [type(m) for m in model.modules()]
+        trainer = Trainer(model, pad_id=0, fused_lora=fused)
+        trainer.ready()  # (its one-time check runs the model once)
         seen: list[str] = []
         q_proj = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
         q_proj.register_forward_hook(lambda m, _i, _o, seen=seen: seen.append(type(m).__name__))
-        trainer = Trainer(model, pad_id=0, fused_lora=fused)
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         rows = [Row(r.ids, r.mask, [-3.0] * len(r.ids), advantage=r.advantage) for r in ROWS]
         trainer.step(TrainingBatch(rows=rows), artrl.TrainConfig(learning_rate=1e-3))
@@ -149,3 +150,29 @@ def test_layers_peft_computes_otherwise_are_left_to_peft(tiny_model_dir, lora):
     assert layers and not any(fusable(m) for m in layers)
     assert FusedLoraTraining.of(model) is None
     assert Trainer(model, pad_id=0, fused_lora=True)._fused is None
+
+
+def test_an_adapted_lm_head_trains_fused(tiny_model_dir):
+    """A LoRA on the lm_head too: the trainer reads the head's weight (through the swapped module)."""
+    from artrl.local.batch import TrainingBatch
+
+    lora = artrl.LoraConfig(target_modules=("q_proj", "v_proj", "lm_head"))
+    model = lora_model(tiny_model_dir, lora=lora)
+    trainer = Trainer(model, pad_id=0, fused_lora=True)
+    assert any(name == "lm_head" for _, name, _, _ in trainer._fused._places)
+    rows = [Row(r.ids, r.mask, [-3.0] * len(r.ids), advantage=r.advantage) for r in ROWS]
+    metrics = trainer.step(TrainingBatch(rows=rows), artrl.TrainConfig(learning_rate=1e-3))
+    assert metrics["optimizer_steps"] == 1 and metrics["grad_norm"] > 0
+
+
+def test_bf16_products_run_in_bf16(tiny_model_dir):
+    """(the point of the fused function under bf16 autocast: the adapter's skinny products in bf16 too)"""
+    model = lora_model(tiny_model_dir, torch.bfloat16)
+    layer = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.up_proj"))
+    x = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = FusedLoraLinear(layer)(x)
+    saved = y.grad_fn.saved_tensors  # x, x·Aᵀ, W, A, s·B as the products used them
+    assert y.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in saved), [
+        t.dtype for t in saved
+    ]

@@ -56,8 +56,9 @@ def test_gradient_checkpointing_changes_no_gradient(tiny_model_dir, lora):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.1)
-        calls = _layer_calls(model)
         trainer = Trainer(model, pad_id=0)
+        trainer.ready()  # (its one-time check runs the model once)
+        calls = _layer_calls(model)
         config = TrainConfig(learning_rate=1e-3, gradient_checkpointing=checkpointing, max_grad_norm=None)
         metrics = trainer.step(TrainingBatch(rows=_rows()), config)
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

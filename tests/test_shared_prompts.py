@@ -143,7 +143,12 @@ def test_a_training_step_with_shared_prompts_equals_one_without():
         assert trainer.share_prompts is share
         rows = group_rows(n=6, seed=1) + group_rows(n=6, seed=2)
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        metrics = trainer.step(TrainingBatch(rows=rows), artrl.TrainConfig(learning_rate=1e-3))
+        config = artrl.TrainConfig(learning_rate=1e-3)
+        micro = trainer._micro_batches(rows, config)
+        assert [trainer._collate([rows[i] for i in m], config).shared for m in micro] == (
+            [100, 100] if share else [0] * len(micro)
+        )
+        metrics = trainer.step(TrainingBatch(rows=rows), config)
         after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
         results.append((metrics, {n: after[n] - before[n] for n in before}))
     (plain, plain_delta), (shared, shared_delta) = results
@@ -177,3 +182,52 @@ def test_under_gradient_checkpointing_rows_are_packed_and_trained_whole():
     assert trainer._collate(rows[:8], plain).shared == 120
     metrics = trainer.step(TrainingBatch(rows=rows), checkpointed)
     assert metrics["optimizer_steps"] == 1
+
+
+def test_a_row_sharing_only_a_header_does_not_break_a_groups_sharing():
+    """(rows from one chat template all begin alike: a row that shares only that header with a group sorts
+    next to it, and must not pull the group's shared prompt down to the header)"""
+    group = group_rows(n=8, prompt=200)
+    header = group[0].ids[:5]
+    assert 0 < group[0].ids[5] < 299
+    low, high = (
+        Row(header + [t] * 60, [0] * 5 + [1] * 60, [0.0] * 65) for t in (0, 299)
+    )  # sorted before, after
+    for rows in (group, [low, *group], [*group, high], [high, *group, low]):
+        batches = pack_by_prompt(rows, 4096)
+        grouped = [b for b in batches if shared_prompt([rows[i] for i in b])]
+        assert len(grouped) == 1 and shared_prompt([rows[i] for i in grouped[0]]) == 200, batches
+        assert sorted(id(rows[i]) for i in grouped[0]) == sorted(id(r) for r in group)
+
+
+def test_micro_batches_stay_within_the_budget_as_the_trainer_runs_them():
+    """Fuzzed: each micro-batch costs at most max_tokens as trained (the prompt once where the trainer
+    shares it, whole rows where it does not), or is a single row; every row in exactly one."""
+    rng = random.Random(0)
+    for case in range(300):
+        rows = []
+        for _group in range(rng.randrange(1, 4)):
+            prompt_length = rng.choice([10, 100, 400])
+            prompt = [rng.randrange(300) for _ in range(prompt_length)]
+            for _ in range(rng.randrange(1, 10)):
+                own = rng.randrange(1, 600)
+                rows.append(
+                    Row(prompt + [rng.randrange(300) for _ in range(own)], [0] * prompt_length + [1] * own)
+                )
+        budget = rng.choice([300, 700, 2000, 4096])
+        batches = pack_by_prompt(rows, budget)
+        assert sorted(i for b in batches for i in b) == list(range(len(rows))), case
+        for batch in batches:
+            members = [rows[i] for i in batch]
+            shared = shared_prompt(members)
+            longest = max(len(r.ids) for r in members)
+            cost = shared + len(members) * (longest - shared) if shared else len(members) * longest
+            assert len(members) == 1 or cost <= budget, (case, budget, shared, [len(r.ids) for r in members])
+
+
+def test_stateful_models_keep_whole_rows():
+    """(RWKV's forward swallows a cache it does not use, xLSTM's fails on it: their state is recurrent)"""
+    import transformers as tf
+
+    rwkv = tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2))
+    assert not shares_prefixes(rwkv)

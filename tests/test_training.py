@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
 import torch
@@ -379,3 +380,37 @@ def test_the_trainers_logprobs_are_the_models_own_after_its_head_transform(archi
     trained = batch.mask.bool()
     assert torch.allclose(lp[trained], reference[trained], atol=1e-4)
     assert not torch.allclose(plain[trained], reference[trained], atol=1e-2)  # (the transform matters here)
+
+
+def test_a_model_that_does_more_after_its_head_trains_on_its_own_forwards_logits(caplog):
+    """HyperCLOVAX multiplies its logits by `logits_scaling` (Granite divides by a field of that name): the
+    first training call sees that the head alone does not give the model's logits, says so, and takes them
+    from the model's whole forward; the recorded trainer logprobs are then the model's own."""
+    import transformers as tf
+
+    from artrl.local.batch import TrainingBatch
+    from artrl.local.logprobs import head_is_the_models
+    from artrl.local.pack import collate
+    from artrl.local.rows import Row
+    from artrl.local.trainer import Trainer, attach_adapter
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    plain = tf.Qwen3ForCausalLM(tf.Qwen3Config(**shape))
+    assert head_is_the_models(plain)
+    model = tf.HyperCLOVAXForCausalLM(tf.HyperCLOVAXConfig(**shape, logits_scaling=4.0))
+    assert not head_is_the_models(model)
+    trainer = Trainer(attach_adapter(model, artrl.LoraConfig()), pad_id=0, share_prompts=True)
+    row = Row(list(range(5, 40)), [0] * 10 + [1] * 25, [-1.0] * 35, advantage=1.0)
+    batch = TrainingBatch(rows=[row])
+    with caplog.at_level("WARNING"):
+        trainer.step(batch, artrl.TrainConfig(learning_rate=1e-9))
+    assert "from the model's whole forward" in caplog.text and not trainer.share_prompts
+    mb = collate([row], torch.device("cpu"))
+    with torch.no_grad():
+        logits = trainer.model(input_ids=mb.ids).logits[:, :-1].float()
+    reference = torch.log_softmax(logits, -1).gather(-1, mb.ids[:, 1:, None])[0, :, 0]  # (T-1,)
+    recorded = torch.tensor([math.nan if v is None else v for v in batch.trainer_logprobs[0][1:]])
+    trained = mb.mask[0].bool()
+    assert torch.allclose(recorded[trained], reference[trained], atol=1e-4)

@@ -57,7 +57,7 @@ class TrainerConfig(_Frozen):
         description="ranks=1: rows that begin with the same prompt (a group's rollouts of one scenario) train in "
         "micro-batches of their own that compute the prompt once, its keys and values shared by every row "
         "(local/logprobs.py): the same loss and gradients for fewer tokens (the maze demo's rows: 46% fewer). Not "
-        "under gradient_checkpointing, nor for models with linear-attention layers",
+        "under gradient_checkpointing, nor for models with recurrent state or linear-attention layers",
     )
     start_timeout_s: float = Field(default=600.0, gt=0, description="until every rank has loaded the model")
     call_timeout_s: float = Field(

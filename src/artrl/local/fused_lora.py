@@ -84,6 +84,14 @@ class FusedLoraLinear(torch.nn.Module):
         super().__init__()
         self.peft = peft
 
+    @property
+    def weight(self) -> torch.Tensor:  # (what model code reads of a linear, as of PEFT's: its base layer's)
+        return self.peft.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.peft.base_layer.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.peft
         if layer.disable_adapters or layer.merged or not fusable(layer):  # (PEFT's state decides)

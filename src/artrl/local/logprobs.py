@@ -73,7 +73,7 @@ def _padding_mask(attention: torch.Tensor) -> torch.Tensor | None:
 
 
 def token_logprobs(
-    model: Any, batch: MicroBatch, chunk: int | None, with_entropy: bool = True
+    model: Any, batch: MicroBatch, chunk: int | None, with_entropy: bool = True, via_forward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(token t+1 | tokens ≤ t) and that distribution's entropy, (B, T-1) each, at the positions whose
     target is trainable (`batch.mask`; 0 elsewhere).
@@ -82,26 +82,36 @@ def token_logprobs(
     those positions go through the lm_head, `chunk` at a time (None: as many as LOGITS_CHUNK_BYTES of
     fp32 logits hold); with more than one chunk each runs under activation checkpointing, so the
     (positions x vocab) logits never exist at once, forward or backward.
+
+    `via_forward`: the logits of the model's whole forward instead (every position through the head, no
+    shared prompt), for a model whose forward does more after its head than `_head_transform` knows
+    (`head_is_the_models`).
     """
     inner = unwrapped(model)
-    with _autocast(inner):
-        hidden, start = _hidden(inner, batch)  # (B, T - start, H): positions start.. of every row
     head = inner.get_output_embeddings()
     if chunk is None:
         chunk = max(64, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))
     where = batch.mask.nonzero(as_tuple=True)  # ((N,), (N,)) trainable target positions (all >= start)
-    picked_hidden = hidden[:, :-1][where[0], where[1] - start]  # (N, H)
     targets = batch.ids[:, 1:][where]  # (N,)
+    with _autocast(inner):
+        if via_forward:
+            logits = inner(input_ids=batch.ids, attention_mask=_padding_mask(batch.attention)).logits
+            picked_hidden, to_logits = logits[:, :-1][where], torch.Tensor.float  # (N, V): logits already
+        else:
+            hidden, start = _hidden(inner, batch)  # (B, T - start, H): positions start.. of every row
+            picked_hidden = hidden[:, :-1][where[0], where[1] - start]  # (N, H)
+            transform = _head_transform(inner.config)
 
-    to_logits = _head_transform(inner.config)
+            def to_logits(h: torch.Tensor) -> torch.Tensor:  # (c, H) -> (c, V)
+                return transform(head(h).float())
 
     def piece(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax(to_logits(head(h).float()), dim=-1)  # (c, V)
+        logp = torch.log_softmax(to_logits(h), dim=-1)  # (c, V)
         picked = logp.gather(-1, y[:, None])[:, 0]  # (c,)
         entropy = -(logp.exp() * logp).sum(-1).detach() if with_entropy else torch.zeros_like(picked)  # (c,)
         return picked, entropy
 
-    recompute = torch.is_grad_enabled() and len(targets) > chunk
+    recompute = torch.is_grad_enabled() and len(targets) > chunk and not via_forward
     with _autocast(inner):  # (a recomputed chunk restores the autocast state it was computed under)
         parts = [
             checkpoint(piece, picked_hidden[s : s + chunk], targets[s : s + chunk], use_reentrant=False)
@@ -109,27 +119,56 @@ def token_logprobs(
             else piece(picked_hidden[s : s + chunk], targets[s : s + chunk])
             for s in range(0, len(targets), chunk)
         ]
-    lp = torch.cat([p[0] for p in parts]) if parts else hidden.new_zeros(0)  # (N,)
-    entropy = torch.cat([p[1] for p in parts]) if parts else hidden.new_zeros(0)  # (N,)
+    none = picked_hidden.new_zeros(0, dtype=torch.float32)
+    lp = torch.cat([p[0] for p in parts]) if parts else none  # (N,)
+    entropy = torch.cat([p[1] for p in parts]) if parts else none  # (N,)
     shape = batch.mask.shape  # (B, T-1)
     full_lp = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put(where, lp)  # (B, T-1)
     full_entropy = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put(where, entropy)  # (B, T-1)
     return full_lp, full_entropy
 
 
+def head_is_the_models(model: Any) -> bool:
+    """Whether the head and `_head_transform` give the model's own logits, checked on a short input (an
+    architecture may do more after its head: Falcon-H1's multiplier, HyperCLOVAX's scaling...). Run it where
+    the training runs (a torch forward on another thread gives that thread an OpenMP team of its own)."""
+    inner = unwrapped(model)
+    head = inner.get_output_embeddings()
+    ids = ((torch.arange(8) * 37 + 11) % head.weight.shape[0]).to(head.weight.device)[None]  # (1, 8)
+    training = inner.training
+    inner.eval()
+    try:
+        with torch.no_grad(), _autocast(inner):
+            hidden = inner.get_decoder()(input_ids=ids).last_hidden_state  # (1, 8, H)
+            mine = _head_transform(inner.config)(head(hidden).float())  # (1, 8, V)
+            theirs = inner(input_ids=ids).logits.float()  # (1, 8, V)
+    finally:
+        inner.train(training)
+    return bool((mine - theirs).abs().max() <= 1e-2 * theirs.abs().max() + 1e-3)
+
+
 def shares_prefixes(model: Any) -> bool:
     """Whether the decoder's cache is plain keys and values in every layer (full or sliding attention), so
-    that a shared prompt can be computed once; not for linear-attention or other recurrent layers."""
-    config = unwrapped(model).config
+    that a shared prompt can be computed once: its forward takes a cache, the model keeps no recurrent
+    state (transformers' `_is_stateful`: RWKV, xLSTM, Mamba and its hybrids) and no layer is of another kind
+    (linear attention)."""
+    inner = unwrapped(model)
+    config = inner.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None)
-    return layer_types is None or set(layer_types) <= {"full_attention", "sliding_attention"}
+    return (
+        not getattr(inner, "_is_stateful", False)
+        and _cache_argument(type(inner.get_decoder())) is not None
+        and (layer_types is None or set(layer_types) <= {"full_attention", "sliding_attention"})
+    )
 
 
 @functools.cache
-def _cache_argument(decoder: type) -> str:
-    """transformers 5.2x renamed the forward's `past_key_values` to `cache` (the old name is deprecated)."""
-    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+def _cache_argument(decoder: type) -> str | None:
+    """The forward's cache argument: transformers 5.2x renamed `past_key_values` to `cache` (the old name is
+    deprecated); None if it takes neither by name."""
+    parameters = inspect.signature(decoder.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
 def _hidden(inner: Any, batch: MicroBatch) -> tuple[torch.Tensor, int]:
@@ -145,7 +184,7 @@ def _hidden(inner: Any, batch: MicroBatch) -> tuple[torch.Tensor, int]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=inner.config)
-    name = _cache_argument(type(decoder))
+    name = _cache_argument(type(decoder)) or "past_key_values"  # (shares_prefixes checked it has one)
     decoder(input_ids=batch.ids[:1, :start], **{name: cache}, use_cache=True)  # the prompt, once
     cache.batch_repeat_interleave(
         batch.ids.shape[0]

@@ -104,17 +104,22 @@ def pack_by_prompt(rows: list[Row], max_tokens: int) -> list[list[int]]:
     """Like `pack`, but rows sharing a prompt go into micro-batches of their own, each within max_tokens
     counting the shared positions once (so more rows fit); every other row is packed as by `pack`.
 
-    Rows sorted by their ids lie next to those they share most with; a run of them is one prompt's rows
-    while adding the next row saves more positions than it loses (the common part only shrinks)."""
+    Rows sorted by their ids lie next to those they share most with. A run of them is one prompt's rows: it
+    ends where a row shares too little with the next to be worth sharing at all (a chat template's header
+    is not a prompt), and otherwise grows while adding the next row saves more positions than it loses (the
+    common part only shrinks). A part of a run that is not worth sharing on its own (`shared_prompt`, as
+    the trainer decides) is packed as whole rows."""
     order = sorted(range(len(rows)), key=lambda i: rows[i].ids)
     runs: list[list[int]] = []
     shared: list[int] = []  # per run
-    for i in order:
+    for k, i in enumerate(order):
         prompt = _prompt_length(rows[i])
-        if runs:
-            run = runs[-1]
+        if runs and k > 0:
+            run, previous = runs[-1], rows[order[k - 1]]
+            adjacent = min(_common(previous.ids, rows[i].ids), prompt, _prompt_length(previous))
             with_it = min(shared[-1], _common(rows[run[0]].ids, rows[i].ids), prompt)
-            if with_it * len(run) >= shared[-1] * (len(run) - 1) and with_it > 1:
+            enough = adjacent >= MIN_SHARED_FRACTION * min(len(previous.ids), len(rows[i].ids))
+            if enough and with_it > 1 and with_it * len(run) >= shared[-1] * (len(run) - 1):
                 run.append(i)
                 shared[-1] = with_it
                 continue
@@ -127,12 +132,15 @@ def pack_by_prompt(rows: list[Row], max_tokens: int) -> list[list[int]]:
             alone += run
             continue
         run.sort(key=lambda i: len(rows[i].ids), reverse=True)  # (longest first: little padding)
-        batch: list[int] = []
+        parts: list[list[int]] = [[]]
         for i in run:  # the shared positions once, then every row's own (padded to the longest, the first)
-            own = len(rows[(batch or [i])[0]].ids) - common
-            if batch and common + (len(batch) + 1) * own > max_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        batches.append(batch)
+            own = len(rows[(parts[-1] or [i])[0]].ids) - common
+            if parts[-1] and common + (len(parts[-1]) + 1) * own > max_tokens:
+                parts.append([])
+            parts[-1].append(i)
+        for part in parts:  # (budgeted with the prompt once: only where the trainer will share it)
+            if shared_prompt([rows[i] for i in part]):
+                batches.append(part)
+            else:
+                alone += part
     return batches + [[alone[k] for k in micro] for micro in pack([rows[i] for i in alone], max_tokens)]

@@ -7,6 +7,7 @@ generation pauses between two token steps, and the next token is sampled from th
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections.abc import Callable
@@ -18,10 +19,12 @@ import torch
 from artrl.config import LoraConfig, SFTConfig, TrainConfig
 from artrl.local.batch import TrainingBatch
 from artrl.local.fused_lora import FusedLoraTraining
-from artrl.local.logprobs import shares_prefixes, token_logprobs, unwrapped
+from artrl.local.logprobs import head_is_the_models, shares_prefixes, token_logprobs, unwrapped
 from artrl.local.loss import LossTerms, policy_loss, sft_loss
 from artrl.local.pack import MicroBatch, collate, pack, pack_by_prompt, shared_prompt
 from artrl.local.rows import NO_LOGPROB, Row
+
+log = logging.getLogger(__name__)
 
 
 def attach_adapter(model: Any, lora: LoraConfig | None) -> Any:
@@ -177,8 +180,13 @@ class Trainer:
             raise ValueError("the model has no trainable parameters")
         self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-4)
         self.device = next(model.parameters()).device
+        # whether the logits must come from the model's whole forward (checked at the first call, on the
+        # thread that trains: head_is_the_models); None = not checked yet, False for given logprobs
+        self._via_forward: bool | None = None if logprobs is None else False
         self.logprobs: Logprobs = logprobs or (
-            lambda mb, chunk, with_entropy: token_logprobs(model, mb, chunk, with_entropy)
+            lambda mb, chunk, with_entropy: token_logprobs(
+                model, mb, chunk, with_entropy, bool(self._via_forward)
+            )
         )
         # (a shared prompt's keys and values come from the decoder's cache: plain attention layers only)
         self.share_prompts = share_prompts and logprobs is None and shares_prefixes(model)
@@ -263,8 +271,27 @@ class Trainer:
             "train_seconds": time.perf_counter() - started,
         }
 
+    def ready(self) -> None:
+        """What is checked once, on the thread that trains, before the first training call (which calls it):
+        whether the model's logits are its head's (`head_is_the_models`), else they come from its forward."""
+        if self._via_forward is not None:
+            return
+        try:
+            self._via_forward = not head_is_the_models(self.model)
+        except Exception as exc:  # (a model the short check cannot run: train as before, say why)
+            log.warning("could not check %s's logits against its head: %s", type(self.model).__name__, exc)
+            self._via_forward = False
+        if self._via_forward:
+            log.warning(
+                "%s does more to its logits than artrl's trainer knows (after its lm_head): the trainer takes "
+                "them from the model's whole forward (slower, and no shared prompts); please report it",
+                type(unwrapped(self.model)).__name__,
+            )
+            self.share_prompts = False
+
     # ---------------------------------------------------------------- the pieces of both loops
     def _begin(self, config: TrainConfig | SFTConfig) -> None:
+        self.ready()
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
         if config.gradient_checkpointing:  # (on for this call only: generation never checkpoints)
