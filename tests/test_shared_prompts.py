@@ -109,7 +109,7 @@ def test_sharing_stops_at_the_first_trained_target_and_is_checked():
     assert shared_prompt(rows) == 60
     assert shared_prompt(rows[:1]) == 0  # (one row: nothing to share)
     assert shared_prompt(group_rows(prompt=20)) == 0  # (too little saved to be worth a pass of its own)
-    with pytest.raises(ValueError, match="share 60 prompt positions"):
+    with pytest.raises(ValueError, match="do not all begin with the same 61 ids"):
         collate(rows, torch.device("cpu"), shared=61)
 
 

@@ -83,6 +83,7 @@ class FusedLoraLinear(torch.nn.Module):
     def __init__(self, peft: Any) -> None:
         super().__init__()
         self.peft = peft
+        self.adapter = peft.active_adapters[0]  # (`fusable` checked the layer once, for this adapter)
 
     @property
     def weight(self) -> torch.Tensor:  # (what model code reads of a linear, as of PEFT's: its base layer's)
@@ -93,11 +94,17 @@ class FusedLoraLinear(torch.nn.Module):
         return self.peft.base_layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layer = self.peft
-        if layer.disable_adapters or layer.merged or not fusable(layer):  # (PEFT's state decides)
-            return layer(x)
-        adapter = layer.active_adapters[0]
+        layer, adapter = self.peft, self.adapter
         base = layer.base_layer
+        # what PEFT's state can change between calls: adapter off (KL reference), merged, another adapter
+        # active, a base weight made trainable; in any of those, PEFT's forward
+        if (
+            layer.disable_adapters
+            or layer.merged
+            or layer.active_adapters != [adapter]
+            or base.weight.requires_grad
+        ):
+            return layer(x)
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else base.weight.dtype
         with torch.autocast(device_type=device, enabled=False):  # (the casts are explicit above)

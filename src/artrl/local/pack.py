@@ -40,8 +40,6 @@ def pack(rows: list[Row], max_tokens: int) -> list[list[int]]:
 
 def collate(rows: list[Row], device: torch.device, pad_id: int = 0, shared: int = 0) -> MicroBatch:
     """Right-padded tensors of `rows`; `shared` as `shared_prompt(rows)` gives it, or 0."""
-    if shared and shared > shared_prompt(rows):
-        raise ValueError(f"collate(shared={shared}): these rows share {shared_prompt(rows)} prompt positions")
     length = max(len(r.ids) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)  # (B, T)
     attention = torch.zeros((len(rows), length), dtype=torch.long)  # (B, T)
@@ -53,6 +51,15 @@ def collate(rows: list[Row], device: torch.device, pad_id: int = 0, shared: int 
         attention[b, :n] = 1
         mask[b, :n] = torch.tensor(row.mask, dtype=torch.float32)
         behaviour[b, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
+    if shared and not (
+        shared <= min(len(r.ids) for r in rows)
+        and bool((ids[:, :shared] == ids[:1, :shared]).all())
+        and not bool(mask[:, 1:shared].any())
+    ):
+        raise ValueError(
+            f"collate(shared={shared}): these rows do not all begin with the same {shared} ids, none of them "
+            "trained after the first (shared_prompt(rows) gives what they share)"
+        )
     return MicroBatch(
         ids=ids.to(device),
         attention=attention.to(device),
@@ -110,13 +117,14 @@ def pack_by_prompt(rows: list[Row], max_tokens: int) -> list[list[int]]:
     common part only shrinks). A part of a run that is not worth sharing on its own (`shared_prompt`, as
     the trainer decides) is packed as whole rows."""
     order = sorted(range(len(rows)), key=lambda i: rows[i].ids)
+    prompts = [_prompt_length(r) for r in rows]
     runs: list[list[int]] = []
     shared: list[int] = []  # per run
     for k, i in enumerate(order):
-        prompt = _prompt_length(rows[i])
+        prompt = prompts[i]
         if runs and k > 0:
             run, previous = runs[-1], rows[order[k - 1]]
-            adjacent = min(_common(previous.ids, rows[i].ids), prompt, _prompt_length(previous))
+            adjacent = min(_common(previous.ids, rows[i].ids), prompt, prompts[order[k - 1]])
             with_it = min(shared[-1], _common(rows[run[0]].ids, rows[i].ids), prompt)
             enough = adjacent >= MIN_SHARED_FRACTION * min(len(previous.ids), len(rows[i].ids))
             if enough and with_it > 1 and with_it * len(run) >= shared[-1] * (len(run) - 1):
