@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -59,7 +58,9 @@ class SequenceStream:
         self._items: collections.deque[TokenChoice | _End] = collections.deque()
         self._ready = asyncio.Event()  # (set and cleared on the loop only)
         self._wake_scheduled = False
-        self._aborted = threading.Event()
+        # set by the consumer, read by the engine thread at every step: a plain attribute (one store and one
+        # load, atomic under the interpreter lock; a threading.Event per sequence cost a Condition and a lock)
+        self.aborted = False
         self.finish_reason: FinishReason | None = None
 
     # --- engine side (any thread) ---
@@ -77,20 +78,16 @@ class SequenceStream:
         try:
             self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-            self._aborted.set()
+            self.aborted = True
 
     def _wake(self) -> None:  # (on the loop)
         self._wake_scheduled = False  # before the consumer drains: a later push schedules another wake-up
         self._ready.set()
 
-    @property
-    def aborted(self) -> bool:
-        return self._aborted.is_set()
-
     # --- consumer side (event loop) ---
     def abort(self) -> None:
         """Stop generating this sequence (the consumer has what it needs, or went away)."""
-        self._aborted.set()
+        self.aborted = True
 
     async def __aiter__(self) -> AsyncIterator[TokenChoice]:
         while True:
@@ -109,7 +106,7 @@ class SequenceStream:
                 async with asyncio.timeout(self._idle_timeout_s):
                     await self._ready.wait()
             except TimeoutError:
-                self._aborted.set()
+                self.aborted = True
                 self.finish_reason = "error"
                 raise EngineError(
                     f"the engine sent nothing for {self._idle_timeout_s:g} s (EngineConfig.stream_idle_timeout_s)"

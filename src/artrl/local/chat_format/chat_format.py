@@ -138,6 +138,8 @@ class ChatFormat:
     # (text, start) -> encode's ids: a group's rollouts send the same first prompt, a forced call the same
     # opening (bounded; copies are handed out)
     _encoded: dict[tuple[str, bool], tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    # (function or None, tools, kwargs) -> whether one probe render gives a forced call's opening (bounded)
+    _one_probe: dict[tuple[Any, ...], bool] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def for_tokenizer(
@@ -285,16 +287,42 @@ class ChatFormat:
             text = self.render([*messages, turn], tools, False, kwargs)
             return text[len(prompt) :] if text.startswith(prompt) else None
 
-        if name is None:
-            first, second = span("xartrl_probe", {}), span("yartrl_probe", {})
-        elif _has_parameters(tools, name):
-            first, second = span(name, {"xartrl_probe": 1}), span(name, {"yartrl_probe": 1})
+        if name is None or _has_parameters(tools, name):
+            probe = (
+                "xartrl_probe",
+                "yartrl_probe",
+            )  # two calls that differ in the function's name, or its key
+
+            def call(k: int) -> str | None:
+                return span(probe[k], {}) if name is None else span(name, {probe[k]: 1})
+
+            first = call(0)
+            if first is None:
+                return None
+            # the opening ends where the probe's word begins: known from two renders, which differ from there
+            # on; where the template writes the word as it is, the second render confirms what the first
+            # shows, so it is asked once per template, tools and call (a re-render of the whole conversation)
+            shape = (
+                name,
+                json.dumps(tools, sort_keys=True, default=str),
+                repr(sorted((kwargs or {}).items())),
+            )
+            at = first.find(probe[0])
+            if at >= 0 and self._one_probe.get(shape):
+                common = first[:at]
+            else:
+                second = call(1)
+                if second is None:
+                    return None
+                common = _common_prefix(first, second)
+                if len(self._one_probe) >= MEMO_SIZE:
+                    self._one_probe.clear()
+                self._one_probe[shape] = at >= 0 and common == first[:at]
         else:
             first = span(name, {})
-            second = first[: first.find(name) + len(name)] if first and name in first else None
-        if first is None or second is None:
-            return None
-        common = _common_prefix(first, second)
+            if not first or name not in first:
+                return None
+            common = first[: first.find(name) + len(name)]
         if name is not None and name not in common:
             return None
         return self._token_boundary(first, len(common))

@@ -181,6 +181,13 @@ class ChatServing:
         self, prepared: PreparedRequest, streaming: bool
     ) -> AsyncIterator[Delta | ChoiceResult]:
         streams = self.engine.generate(prepared.prompt.ids, prepared.params, prepared.request.n)
+        if len(streams) == 1:  # (most requests: read the one stream here, without a task and a queue)
+            try:
+                async for event in self._choice_events(0, streams[0], prepared, streaming):
+                    yield event
+            finally:
+                streams[0].abort()
+            return
         queue: asyncio.Queue[Delta | ChoiceResult | BaseException | None] = asyncio.Queue()
 
         async def pump(index: int, stream: SequenceStream) -> None:
