@@ -239,3 +239,72 @@ async def test_the_engine_decodes_the_same_and_follows_a_weight_change(tiny_mode
     finally:
         await fused.close()
         await plain.close()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 512])  # (512: weights large enough to be packed for oneDNN)
+def test_the_scripted_layers_give_the_eager_steps(architecture, dtype, hidden):
+    """scripted_layers (one TorchScript call per step) against the eager layers, step after step, past the
+    buffers' room (they grow): the same logits and the same cache."""
+    global SHAPE
+    saved = SHAPE
+    SHAPE = {**SHAPE, "hidden_size": hidden, "intermediate_size": 3 * hidden}
+    try:
+        model = _model(architecture, dtype)
+    finally:
+        SHAPE = saved
+    scripted, eager = FusedDecode.of(model), FusedDecode(model, script=False)
+    assert scripted is not None
+    rows, length = 3, 20
+    caches = _cache(model, dtype, rows, length), _cache(model, dtype, rows, length)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[1, :7] = 0  # a left-padded row
+    with torch.inference_mode():
+        scripted.build()
+        eager.build()
+        assert scripted._flat is not None and eager._flat is None
+        if hidden == 512 and scripted._pack:
+            assert any(scripted._flat.packed)  # (packed products in the scripted calls)
+        ids = torch.tensor([[5], [77], [299]])
+        for _ in range(70):  # (the buffers' room is 64 columns: they grow on the way)
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            positions = mask.sum(1, keepdim=True) - 1
+            got = scripted(ids, positions, mask, caches[0])
+            want = eager(ids, positions, mask, caches[1])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            ids = got.argmax(-1, keepdim=True)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert a.length == b.length == length + 70
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+        assert not a.key_buffer[:rows, :, a.length :].any()  # (the room stays zeros)
+    # a prefill of 9 new tokens per row on top of the cached ones (the second row left-padded)
+    new = torch.randint(10, 290, (rows, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.cat([mask, mask.new_ones(rows, 9)], dim=1)
+    positions = mask.sum(1, keepdim=True) - 9 + torch.arange(9)
+    past = list(zip(caches[0].key_states(), caches[0].value_states(), strict=True))
+    with torch.inference_mode():
+        got, want = scripted.prefill(new, positions, mask, past), eager.prefill(new, positions, mask, past)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(got[1] + got[2], want[1] + want[2], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_scripted_step_leaves_the_cache_as_it_was():
+    model = _model("qwen3", torch.float32)
+    fused = FusedDecode.of(model)
+    assert fused is not None
+    rows, length = 2, 10
+    cache = _cache(model, torch.float32, rows, length)
+    before = [layer.key_buffer.clone() for layer in cache.layers]
+    wrong = torch.ones(
+        rows, length + 2, dtype=torch.long
+    )  # one column too many: the first layer's attention fails
+    with torch.inference_mode():
+        fused.build()
+        with pytest.raises(RuntimeError):
+            fused(torch.tensor([[5], [6]]), torch.tensor([[10], [10]]), wrong, cache)
+    for layer, old in zip(cache.layers, before, strict=True):
+        assert layer.length == length
+        assert torch.equal(layer.key_buffer, old)  # (the column the first layer wrote is zeros again)

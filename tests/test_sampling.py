@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from artrl.local.sampling import SamplingError, SamplingParams, sample_rows, top_p_filter
+from artrl.local.sampling import SamplingError, SamplingParams, sample_rows, top_p_filter, uniforms
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]))  # (V,) one impossible token
 
@@ -36,13 +38,12 @@ def test_temperature_sharpens_and_zero_is_greedy():
 def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))  # (B, V)
     alone = [
-        sample_rows(logits[i : i + 1], [_params()], [torch.Generator().manual_seed(7 + i)])[0].token_id
-        for i in range(6)
+        sample_rows(logits[i : i + 1], [_params()], [random.Random(7 + i)])[0].token_id for i in range(6)
     ]
-    together = sample_rows(logits, [_params()] * 6, [torch.Generator().manual_seed(7 + i) for i in range(6)])
+    together = sample_rows(logits, [_params()] * 6, [random.Random(7 + i) for i in range(6)])
     assert [c.token_id for c in together] == alone
     shuffled = sample_rows(
-        logits.flip(0), [_params()] * 6, [torch.Generator().manual_seed(7 + i) for i in reversed(range(6))]
+        logits.flip(0), [_params()] * 6, [random.Random(7 + i) for i in reversed(range(6))]
     )
     assert [c.token_id for c in shuffled][::-1] == alone
 
@@ -70,3 +71,14 @@ def test_top_p_filter_takes_a_threshold_per_row():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2)
     out = top_p_filter(probs, torch.tensor([0.7, 1.0]))
     assert torch.allclose(out, torch.tensor([[0.625, 0.375, 0.0, 0.0], [0.5, 0.3, 0.15, 0.05]]))
+
+
+def test_seeded_draws_are_uniform_and_below_one():
+    rows = [random.Random(seed) for seed in range(4000)]
+    u = uniforms(rows, torch.device("cpu"))  # (B,) one draw per row
+    assert u.dtype == torch.float32 and bool((u >= 0).all()) and bool((u < 1).all())
+    assert abs(float(u.mean()) - 0.5) < 0.02 and abs(float((u < 0.25).float().mean()) - 0.25) < 0.03
+    again = uniforms([random.Random(seed) for seed in range(4000)], torch.device("cpu"))
+    assert torch.equal(u, again)  # (a seed gives its row the same draw)
+    mixed = uniforms([None, random.Random(3), None], torch.device("cpu"))  # (unseeded rows: torch's RNG)
+    assert mixed[1] == u[3] and bool((mixed < 1).all())

@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -94,7 +95,7 @@ class HFEngine:
         for i in range(n):
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self._device).manual_seed((params.seed + i) % 2**64)
+                generator = random.Random((params.seed + i) % 2**64)  # (sampling.uniforms draws from it)
             sequences.append(RunningSequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
         self._incoming.put(Request(list(prompt_ids), sequences))
         self._worker.wake()

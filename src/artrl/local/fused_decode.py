@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from artrl.local.cpu_attention import decode_attention, grouped_attention
 from artrl.local.kv_cache import BatchCache
 from artrl.local.merged_lora import folded, mergeable
+from artrl.local.scripted_layers import scripted
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,18 @@ class _Product:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class _Flat(NamedTuple):
+    """The layers' weights as the lists the TorchScript functions take (`scripted_layers`), and those."""
+
+    decode: Any
+    prefill: Any
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    packed: list[bool]
+    norms: list[torch.Tensor]
+    eps: list[float]
 
 
 @dataclass
@@ -118,7 +131,7 @@ def _can_pack(dtype: torch.dtype) -> bool:
 class FusedDecode:
     """Decode steps for one model (see the module docstring); None from `of` where it does not apply."""
 
-    def __init__(self, base: Any) -> None:
+    def __init__(self, base: Any, script: bool = True) -> None:
         self._base = base  # the transformers ForCausalLM under any PEFT wrapper
         config = base.config
         self._heads = config.num_attention_heads
@@ -130,6 +143,8 @@ class FusedDecode:
         # another thread would give that thread an OpenMP team of its own, which slows every team down
         self._layers: list[_Layer] = []
         self._head: _Product | None = None
+        self._script = script  # decode steps' layers through TorchScript (scripted_layers)
+        self._flat: _Flat | None = None  # their weights as its lists, built with the layers
 
     @classmethod
     def of(cls, model: Any) -> FusedDecode | None:
@@ -167,7 +182,7 @@ class FusedDecode:
 
     def stale(self) -> None:
         """The weights may have changed: build() again before the next step."""
-        self._layers, self._head = [], None
+        self._layers, self._head, self._flat = [], None, None
 
     def _product(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Product:
         weight = weight.detach()
@@ -211,6 +226,43 @@ class FusedDecode:
             )
         head = self._product(*_effective(self._base.lm_head))
         self._layers, self._head = layers, head
+        self._flat = self._flattened(layers)
+
+    def _flattened(self, layers: list[_Layer]) -> _Flat | None:
+        """The layers' weights as the lists `scripted_layers.decode_layers` takes; None where it does not
+        apply (q and k norms with different epsilons) or TorchScript fails here: the eager step then."""
+        if not self._script:
+            return None
+        weights, biases, packed, norms, eps = [], [], [], [], []
+        for layer in layers:
+            attention, block = layer.block.self_attn, layer.block
+            if layer.qk_norm is None and hasattr(attention, "q_norm"):
+                return None
+            for product in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                weights.append(product.weight)
+                biases.append(product.bias)
+                packed.append(product.packed)
+            qk = layer.qk_norm if layer.qk_norm is not None else block.input_layernorm.weight.new_empty(0)
+            norms += [
+                block.input_layernorm.weight.detach(),
+                block.post_attention_layernorm.weight.detach(),
+                qk,
+            ]
+            qk_eps = attention.q_norm.variance_epsilon if layer.qk_norm is not None else 0.0
+            eps += [
+                block.input_layernorm.variance_epsilon,
+                block.post_attention_layernorm.variance_epsilon,
+                qk_eps,
+            ]
+        try:
+            step, prefill = scripted("decode"), scripted("prefill")
+        except Exception as exc:  # (a torch without TorchScript, or one that cannot compile it)
+            log.info(
+                "decode steps through eager operations: TorchScript failed (%s: %s)", type(exc).__name__, exc
+            )
+            self._script = False
+            return None
+        return _Flat(step, prefill, weights, biases, packed, norms, [float(e) for e in eps])
 
     def __call__(
         self,
@@ -223,6 +275,8 @@ class FusedDecode:
         assert self._head is not None, "build() first"
         batch, heads, dim = ids.shape[0], self._heads, self._head_dim
         hidden, rotary = self._start(ids, positions)  # (B, 1, E)
+        if self._flat is not None:
+            return self._end(self._scripted_layers(hidden, rotary, mask, cache))
         attend = mask.bool()  # (B, T + 1), then (B, T_cap): the buffers' filler columns masked out
         for layer, cache_layer in zip(self._layers, cache.layers, strict=True):
             q, k, v = self._attention_inputs(layer, hidden, rotary)  # (B, H or H_kv, 1, D)
@@ -236,6 +290,31 @@ class FusedDecode:
             out = decode_attention(q, keys, values, attend, self._scale)  # (B, 1, H, D)
             hidden = self._rest(layer, hidden, out.reshape(batch, 1, heads * dim))
         return self._end(hidden)
+
+    def _scripted_layers(
+        self, hidden: torch.Tensor, rotary: tuple, mask: torch.Tensor, cache: BatchCache
+    ) -> torch.Tensor:
+        """The layers of a decode step in one TorchScript call (see scripted_layers): (B, 1, E)."""
+        assert self._flat is not None
+        flat = self._flat
+        length = cache.length
+        for layer in cache.layers:  # (room for this step's column first: the function writes it in place)
+            layer.reserve_column()
+        wide = hidden.dtype in HALF
+        keys = [layer.key_buffer for layer in cache.layers]
+        values = [layer.value_buffer for layer in cache.layers]
+        try:
+            hidden = flat.decode(
+                hidden, rotary[0], rotary[1], mask.bool(), *flat[2:], keys, values,
+                length, wide, self._heads, self._kv_heads, self._head_dim, self._intermediate, float(self._scale),
+            )  # fmt: skip
+        except BaseException:
+            for layer in cache.layers:  # (the column some layers got stays zeros, as room must)
+                layer.clear_column(length)
+            raise
+        for layer in cache.layers:
+            layer.appended(1)
+        return hidden
 
     def prefill(
         self,
@@ -257,6 +336,14 @@ class FusedDecode:
         )
         attend = (causal & mask.bool()[:, None, :])[:, None]
         hidden, rotary = self._start(ids, positions)  # (R, S, E)
+        if self._flat is not None:
+            flat = self._flat
+            hidden, keys, values = flat.prefill(
+                hidden, rotary[0], rotary[1], attend, *flat[2:],
+                [k for k, _ in past], [v for _, v in past],
+                self._heads, self._kv_heads, self._head_dim, self._intermediate, float(self._scale),
+            )  # fmt: skip
+            return self._end(hidden), keys, values
         keys, values = [], []
         for index, layer in enumerate(self._layers):
             q, k, v = self._attention_inputs(layer, hidden, rotary)  # (R, H or H_kv, S, D)

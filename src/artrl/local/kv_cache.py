@@ -83,6 +83,30 @@ class GrowingLayer(CacheLayerMixin):
         self._view()
         return self.keys, self.values
 
+    @property
+    def key_buffer(self) -> torch.Tensor:
+        """(B_cap, H, T_cap, D): the buffer itself, for a step that writes its column in place."""
+        return self._keys
+
+    @property
+    def value_buffer(self) -> torch.Tensor:
+        return self._values
+
+    def reserve_column(self) -> None:
+        """Room for one more column (before a step writes it into the buffers itself)."""
+        if self.length + 1 > self._keys.shape[2]:
+            self._reserve(self.rows, self.length + 1)
+
+    def appended(self, count: int) -> None:
+        """`count` columns were written after the held ones, into the buffers directly."""
+        self.length += count
+        self._view()
+
+    def clear_column(self, column: int) -> None:
+        """Zeros again in one column of the held rows (a step failed after writing some layers)."""
+        self._keys[: self.rows, :, column : column + 1] = 0
+        self._values[: self.rows, :, column : column + 1] = 0
+
     def _reserve(self, rows: int, length: int, shift: int = 0) -> None:
         """Buffers with room for `rows` rows (doubling) and `length` columns (`spare` more); the rows held
         move `shift` columns right (a wider timeline) on the way."""

@@ -9,6 +9,7 @@ batched step is retried row by row, so only a sequence whose own step fails ends
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ TRIM_COLUMNS = 64  # padding columns (that no running row needs) worth dropping 
 class RunningSequence:
     stream: SequenceStream
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: random.Random | None  # (seeded requests: the row's own draws, see sampling.uniforms)
     generated: int = 0
     last_token: int = 0
     position: int = 0  # position id of last_token
