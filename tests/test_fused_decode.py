@@ -263,7 +263,9 @@ def test_the_scripted_layers_give_the_eager_steps(architecture, dtype, hidden):
     with torch.inference_mode():
         scripted.build()
         eager.build()
-        assert scripted._flat is not None and eager._flat is None
+        assert scripted._flat is not None and eager._flat is not None
+        assert isinstance(scripted._flat.decode, torch.jit.ScriptFunction)
+        assert not isinstance(eager._flat.decode, torch.jit.ScriptFunction)  # (the same function, eagerly)
         if hidden == 512 and scripted._pack:
             assert any(scripted._flat.packed)  # (packed products in the scripted calls)
         ids = torch.tensor([[5], [77], [299]])

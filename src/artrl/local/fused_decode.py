@@ -21,7 +21,10 @@ key/value head per query head when there is a mask. This forward instead:
 - normalises and rotates the queries and keys of all heads in one pass each (Qwen3's q_norm and k_norm
   weights side by side), and in a prefill shares each key/value head among its query heads in the
   attention kernel (decode step 23 → 17 ms at 32 x 350; the 27M model's prefills in the rollout benchmark
-  take 1.2x less time).
+  take 1.2x less time);
+- runs each step's decoder layers as one TorchScript call (`scripted_layers.py`: the layer math lives
+  there, run eagerly where TorchScript is off or fails), so the engine thread takes the interpreter lock
+  back a few times per step instead of once per operation while the gateway's threads run Python.
 
 The weights are rebuilt after every engine job (a training step may have changed them): `stale()`, then
 `build()` before the next step. Anything outside the checked layout (another architecture, a sliding
@@ -38,10 +41,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from artrl.local.cpu_attention import decode_attention, grouped_attention
 from artrl.local.kv_cache import BatchCache
 from artrl.local.merged_lora import folded, mergeable
-from artrl.local.scripted_layers import scripted
+from artrl.local.scripted_layers import decode_layers, prefill_layers, scripted
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ class _Product:
 
 
 class _Flat(NamedTuple):
-    """The layers' weights as the lists the TorchScript functions take (`scripted_layers`), and those."""
+    """The layer loops (`scripted_layers`: compiled by TorchScript, or the same functions run eagerly) and
+    the layers' weights as the lists they take."""
 
     decode: Any
     prefill: Any
@@ -74,16 +77,6 @@ class _Flat(NamedTuple):
     packed: list[bool]
     norms: list[torch.Tensor]
     eps: list[float]
-
-
-@dataclass
-class _Layer:
-    qkv: _Product
-    o: _Product
-    gate_up: _Product
-    down: _Product
-    block: Any  # the decoder layer: its norms' weights are read at every step
-    qk_norm: torch.Tensor | None  # (H + H_kv, D) q_norm's weight per query head, k_norm's per key head
 
 
 def _effective(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,10 +134,9 @@ class FusedDecode:
         self._intermediate = config.intermediate_size
         self._pack: bool | None = None  # checked at the first build, on the engine thread: a torch op on
         # another thread would give that thread an OpenMP team of its own, which slows every team down
-        self._layers: list[_Layer] = []
         self._head: _Product | None = None
-        self._script = script  # decode steps' layers through TorchScript (scripted_layers)
-        self._flat: _Flat | None = None  # their weights as its lists, built with the layers
+        self._script = script  # the layer loops compiled by TorchScript (else run eagerly)
+        self._flat: _Flat | None = None  # the layers' weights, built with the head
 
     @classmethod
     def of(cls, model: Any) -> FusedDecode | None:
@@ -182,7 +174,7 @@ class FusedDecode:
 
     def stale(self) -> None:
         """The weights may have changed: build() again before the next step."""
-        self._layers, self._head, self._flat = [], None, None
+        self._head, self._flat = None, None
 
     def _product(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Product:
         weight = weight.detach()
@@ -192,12 +184,14 @@ class FusedDecode:
             return _Product(torch.ops.mkldnn._reorder_linear_weight(weight, None), bias, True)
         return _Product(weight.contiguous(), bias, False)
 
-    def _qk_norm(self, attention: Any) -> torch.Tensor | None:
-        """Qwen3's per-head norms of queries and keys as one weight over the joined (H + H_kv, D) heads; None
-        without them, or where their epsilons differ (then one pass each)."""
+    def _qk_norm(self, attention: Any) -> torch.Tensor:
+        """Qwen3's per-head norms of queries and keys as one weight over the joined (H + H_kv, D) heads (one
+        pass for both); an empty tensor without them."""
         q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+        if q_norm is None and k_norm is None:
+            return attention.q_proj.weight.new_empty(0)
         if q_norm is None or k_norm is None or q_norm.variance_epsilon != k_norm.variance_epsilon:
-            return None
+            raise TypeError("query and key norms that are not alike")
         dim = self._head_dim
         weights = [
             q_norm.weight.detach().expand(self._heads, dim),
@@ -209,60 +203,45 @@ class FusedDecode:
     def build(self) -> None:
         """The fused (and packed) weights of the model as it is now. Raises TypeError for a module outside
         the layout (the caller then keeps the transformers forward)."""
-        layers = []
+        weights, biases, packed, norms, eps = [], [], [], [], []
         for block in self._base.model.layers:
             attention, mlp = block.self_attn, block.mlp
             if getattr(attention, "sliding_window", None) is not None:
                 raise TypeError("a sliding-window layer")
-            layers.append(
-                _Layer(
-                    qkv=self._product(*_joined([attention.q_proj, attention.k_proj, attention.v_proj])),
-                    o=self._product(*_effective(attention.o_proj)),
-                    gate_up=self._product(*_joined([mlp.gate_proj, mlp.up_proj])),
-                    down=self._product(*_effective(mlp.down_proj)),
-                    block=block,
-                    qk_norm=self._qk_norm(attention),
-                )
-            )
-        head = self._product(*_effective(self._base.lm_head))
-        self._layers, self._head = layers, head
-        self._flat = self._flattened(layers)
-
-    def _flattened(self, layers: list[_Layer]) -> _Flat | None:
-        """The layers' weights as the lists `scripted_layers.decode_layers` takes; None where it does not
-        apply (q and k norms with different epsilons) or TorchScript fails here: the eager step then."""
-        if not self._script:
-            return None
-        weights, biases, packed, norms, eps = [], [], [], [], []
-        for layer in layers:
-            attention, block = layer.block.self_attn, layer.block
-            if layer.qk_norm is None and hasattr(attention, "q_norm"):
-                return None
-            for product in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for product in (
+                self._product(*_joined([attention.q_proj, attention.k_proj, attention.v_proj])),
+                self._product(*_effective(attention.o_proj)),
+                self._product(*_joined([mlp.gate_proj, mlp.up_proj])),
+                self._product(*_effective(mlp.down_proj)),
+            ):
                 weights.append(product.weight)
                 biases.append(product.bias)
                 packed.append(product.packed)
-            qk = layer.qk_norm if layer.qk_norm is not None else block.input_layernorm.weight.new_empty(0)
-            norms += [
-                block.input_layernorm.weight.detach(),
-                block.post_attention_layernorm.weight.detach(),
-                qk,
-            ]
-            qk_eps = attention.q_norm.variance_epsilon if layer.qk_norm is not None else 0.0
-            eps += [
-                block.input_layernorm.variance_epsilon,
-                block.post_attention_layernorm.variance_epsilon,
-                qk_eps,
-            ]
-        try:
-            step, prefill = scripted("decode"), scripted("prefill")
-        except Exception as exc:  # (a torch without TorchScript, or one that cannot compile it)
-            log.info(
-                "decode steps through eager operations: TorchScript failed (%s: %s)", type(exc).__name__, exc
+            input_norm, post_norm, qk_norm = (
+                block.input_layernorm,
+                block.post_attention_layernorm,
+                self._qk_norm(attention),
             )
-            self._script = False
-            return None
-        return _Flat(step, prefill, weights, biases, packed, norms, [float(e) for e in eps])
+            norms += [input_norm.weight.detach(), post_norm.weight.detach(), qk_norm]
+            qk_eps = attention.q_norm.variance_epsilon if qk_norm.numel() else 0.0
+            eps += [float(input_norm.variance_epsilon), float(post_norm.variance_epsilon), float(qk_eps)]
+        decode, prefill = self._loops()
+        self._flat = _Flat(decode, prefill, weights, biases, packed, norms, eps)
+        self._head = self._product(*_effective(self._base.lm_head))
+
+    def _loops(self) -> tuple[Any, Any]:
+        """The layer loops: compiled by TorchScript, or (off, or where it fails) the same functions eagerly."""
+        if self._script:
+            try:
+                return scripted("decode"), scripted("prefill")
+            except Exception as exc:  # (a torch without TorchScript, or one that cannot compile them)
+                log.info(
+                    "decode and prefill layers run eagerly: TorchScript failed (%s: %s)",
+                    type(exc).__name__,
+                    exc,
+                )
+                self._script = False
+        return decode_layers, prefill_layers
 
     def __call__(
         self,
@@ -273,28 +252,13 @@ class FusedDecode:
     ) -> torch.Tensor:
         """Logits (B, V) of the next token."""
         assert self._head is not None, "build() first"
-        batch, heads, dim = ids.shape[0], self._heads, self._head_dim
         hidden, rotary = self._start(ids, positions)  # (B, 1, E)
-        if self._flat is not None:
-            return self._end(self._scripted_layers(hidden, rotary, mask, cache))
-        attend = mask.bool()  # (B, T + 1), then (B, T_cap): the buffers' filler columns masked out
-        for layer, cache_layer in zip(self._layers, cache.layers, strict=True):
-            q, k, v = self._attention_inputs(layer, hidden, rotary)  # (B, H or H_kv, 1, D)
-            keys, values = cache_layer.update(k, v)  # (B, H_kv, T + 1, D) views
-            if keys.dtype in HALF:
-                # over the buffers' whole width instead: (B, H_kv, T_cap, D) in one block each, which a
-                # bf16 batched product reads in place (the views it copies first; fp32 products read them)
-                keys, values = cache_layer.wide()
-            if attend.shape[1] != keys.shape[2]:
-                attend = F.pad(attend, (0, keys.shape[2] - attend.shape[1]))  # (B, T_cap)
-            out = decode_attention(q, keys, values, attend, self._scale)  # (B, 1, H, D)
-            hidden = self._rest(layer, hidden, out.reshape(batch, 1, heads * dim))
-        return self._end(hidden)
+        return self._end(self._decode_layers(hidden, rotary, mask, cache))
 
-    def _scripted_layers(
+    def _decode_layers(
         self, hidden: torch.Tensor, rotary: tuple, mask: torch.Tensor, cache: BatchCache
     ) -> torch.Tensor:
-        """The layers of a decode step in one TorchScript call (see scripted_layers): (B, 1, E)."""
+        """The layers of a decode step (one TorchScript call, see scripted_layers): (B, 1, E)."""
         assert self._flat is not None
         flat = self._flat
         length = cache.length
@@ -327,7 +291,7 @@ class FusedDecode:
         prefill, as `RunningBatch` calls it): logits (R, V) of each row's last position and per layer the
         keys and values (R, H_kv, P + S, D) of all its P + S tokens."""
         assert self._head is not None, "build() first"
-        rows, length = ids.shape
+        length = ids.shape[1]
         cached = mask.shape[1] - length  # P
         # query i of a row sees the row's tokens (mask) up to its own position (P + i): (R, 1, S, P + S)
         causal = (
@@ -336,26 +300,12 @@ class FusedDecode:
         )
         attend = (causal & mask.bool()[:, None, :])[:, None]
         hidden, rotary = self._start(ids, positions)  # (R, S, E)
-        if self._flat is not None:
-            flat = self._flat
-            hidden, keys, values = flat.prefill(
-                hidden, rotary[0], rotary[1], attend, *flat[2:],
-                [k for k, _ in past], [v for _, v in past],
-                self._heads, self._kv_heads, self._head_dim, self._intermediate, float(self._scale),
-            )  # fmt: skip
-            return self._end(hidden), keys, values
-        keys, values = [], []
-        for index, layer in enumerate(self._layers):
-            q, k, v = self._attention_inputs(layer, hidden, rotary)  # (R, H or H_kv, S, D)
-            if past:
-                k, v = torch.cat([past[index][0], k], dim=2), torch.cat([past[index][1], v], dim=2)
-            else:  # tensors of their own: views would hold the layer's whole q/k/v output (the prefix cache
-                k, v = k.contiguous(), v.contiguous()  # keeps them, counting only their own bytes)
-            keys.append(k)
-            values.append(v)
-            out = grouped_attention(q, k, v, attend, self._scale)  # (R, S, H, D)
-            out = out.reshape(rows, length, self._heads * self._head_dim)  # (R, S, H·D)
-            hidden = self._rest(layer, hidden, out)
+        assert self._flat is not None
+        flat = self._flat
+        hidden, keys, values = flat.prefill(
+            hidden, rotary[0], rotary[1], attend, *flat[2:], [k for k, _ in past], [v for _, v in past],
+            self._heads, self._kv_heads, self._head_dim, self._intermediate, float(self._scale),
+        )  # fmt: skip
         return self._end(hidden), keys, values
 
     def _start(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -367,33 +317,6 @@ class FusedDecode:
         # rotate_half(x)·sin = roll(x, half)·(-sin₁, sin₂): the same products, no concatenation per layer
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # (B, L, D)
         return hidden, (cos.unsqueeze(2), signed_sin.unsqueeze(2))  # (broadcast over the heads)
-
-    def _attention_inputs(
-        self, layer: _Layer, hidden: torch.Tensor, rotary: tuple
-    ) -> tuple[torch.Tensor, ...]:
-        """Queries (B, H, L, D), keys and values (B, H_kv, L, D) of a layer's input (B, L, E)."""
-        batch, length, _ = hidden.shape
-        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
-        attention = layer.block.self_attn
-        x = _rms(hidden, layer.block.input_layernorm)
-        qkv = layer.qkv(x).view(batch, length, heads + 2 * kv_heads, dim)  # (B, L, H + 2·H_kv, D)
-        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)  # (B, L, H + H_kv, D), (B, L, H_kv, D)
-        if layer.qk_norm is not None:  # (Qwen3) q_norm and k_norm in one pass: their weights side by side
-            qk = _rms_with(qk, layer.qk_norm, attention.q_norm.variance_epsilon)
-        elif hasattr(attention, "q_norm"):  # (norms with different epsilons)
-            q, k = qk.split([heads, kv_heads], dim=2)
-            qk = torch.cat([_rms(q, attention.q_norm), _rms(k, attention.k_norm)], dim=2)
-        cos, signed_sin = rotary
-        qk = qk * cos + qk.roll(self._head_dim // 2, dims=-1) * signed_sin  # (every head rotated alike)
-        q, k = qk.split([heads, kv_heads], dim=2)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    def _rest(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The layer's output (B, L, E) from its input and the attention's output (B, L, H·D)."""
-        hidden = hidden + layer.o(attended)
-        x = _rms(hidden, layer.block.post_attention_layernorm)
-        gate, up = layer.gate_up(x).split(self._intermediate, dim=-1)
-        return hidden + layer.down(F.silu(gate) * up)
 
     def _end(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of the last position."""
