@@ -310,3 +310,24 @@ def test_a_failed_scripted_step_leaves_the_cache_as_it_was():
     for layer, old in zip(cache.layers, before, strict=True):
         assert layer.length == length
         assert torch.equal(layer.key_buffer, old)  # (the column the first layer wrote is zeros again)
+
+
+def test_a_step_failing_in_a_later_layer_leaves_every_layer_as_it_was():
+    model = _model("llama", torch.bfloat16)
+    fused = FusedDecode.of(model)
+    assert fused is not None
+    rows, length = 2, 10
+    cache = _cache(model, torch.bfloat16, rows, length)
+    before = [(layer.key_buffer.clone(), layer.value_buffer.clone()) for layer in cache.layers]
+    with torch.inference_mode():
+        fused.build()
+        assert isinstance(fused._flat.decode, torch.jit.ScriptFunction)
+        weights = list(fused._flat.weights)
+        weights[5] = weights[5][:, :-1]  # the second layer's o product no longer fits its input
+        fused._flat = fused._flat._replace(weights=weights)
+        mask = torch.ones(rows, length + 1, dtype=torch.long)
+        with pytest.raises(RuntimeError):
+            fused(torch.tensor([[5], [6]]), torch.tensor([[10], [10]]), mask, cache)
+    for layer, (keys, values) in zip(cache.layers, before, strict=True):
+        assert layer.length == length
+        assert torch.equal(layer.key_buffer, keys) and torch.equal(layer.value_buffer, values)

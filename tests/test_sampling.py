@@ -82,3 +82,19 @@ def test_seeded_draws_are_uniform_and_below_one():
     assert torch.equal(u, again)  # (a seed gives its row the same draw)
     mixed = uniforms([None, random.Random(3), None], torch.device("cpu"))  # (unseeded rows: torch's RNG)
     assert mixed[1] == u[3] and bool((mixed < 1).all())
+
+
+def test_the_compiled_choice_is_in_use_and_equals_the_eager_one():
+    from artrl.local import sampling
+
+    compiled = sampling._scripted_choose()
+    assert isinstance(compiled, torch.jit.ScriptFunction)
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(4))  # (B, V)
+    logits[4] = float("nan")  # a row without a valid distribution
+    settings = torch.tensor([[1.0, 1.0], [0.7, 0.9], [0.0, 1.0], [1.3, 0.5], [1.0, 1.0], [1e-6, 0.3]])
+    u = torch.rand(6, generator=torch.Generator().manual_seed(5))
+    rows, logprobs = compiled(logits, settings, u, 1e-5)
+    want_rows, want_logprobs = sampling.choose(logits, settings, u, 1e-5)
+    assert torch.equal(rows.nan_to_num(), want_rows.nan_to_num())
+    assert torch.equal(logprobs.nan_to_num(), want_logprobs.nan_to_num())
+    assert rows[3].tolist() == [1, 1, 1, 1, 0, 1]  # (valid: only the NaN row is not)

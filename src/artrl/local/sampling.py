@@ -10,12 +10,16 @@ batch) and takes the token where its cumulative distribution passes that number 
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import warnings
 
 import torch
 
 from artrl.local.engine import SamplingParams, TokenChoice
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SamplingError", "SamplingParams", "TokenChoice", "sample_rows", "top_p_filter"]
 
@@ -97,20 +101,21 @@ def choose(
 
 
 _SCRIPTED: list = []
+_COMPILING = threading.Lock()
 
 
 def _scripted_choose():
     """`choose` compiled by TorchScript once per process; `choose` itself where TorchScript fails."""
-    if not _SCRIPTED:
-        try:
-            with (
-                warnings.catch_warnings()
-            ):  # (torch 2.13 calls TorchScript deprecated: scripted_layers says why)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                _SCRIPTED.append(torch.jit.script(choose))
-        except Exception:  # (a torch without TorchScript)
-            _SCRIPTED.append(choose)
-    return _SCRIPTED[0]
+    with _COMPILING:
+        if not _SCRIPTED:
+            try:
+                with warnings.catch_warnings():  # (torch calls TorchScript deprecated: see scripted_layers)
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    _SCRIPTED.append(torch.jit.script(choose))
+            except Exception as exc:  # (a torch without TorchScript)
+                log.info("sampling runs eagerly: TorchScript failed (%s: %s)", type(exc).__name__, exc)
+                _SCRIPTED.append(choose)
+        return _SCRIPTED[0]
 
 
 def sample_rows(

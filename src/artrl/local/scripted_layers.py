@@ -15,6 +15,7 @@ as one pass over the joined heads, the rotation as `x·cos + roll(x)·signed_sin
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -76,9 +77,6 @@ def decode_layers(
 ) -> torch.Tensor:
     """The hidden states (B, 1, E) after every layer; each layer's buffers get this step's column."""
     batch = hidden.shape[0]
-    mask = attend
-    if wide and mask.shape[1] != keys[0].shape[2]:
-        mask = F.pad(mask, [0, keys[0].shape[2] - mask.shape[1]])  # (B, T_cap): the room masked out
     for index in range(len(keys)):
         at = 4 * index
         x = _rms_with(hidden, norms[3 * index], eps[3 * index])
@@ -93,8 +91,11 @@ def decode_layers(
         key_buffer, value_buffer = keys[index], values[index]
         key_buffer[:batch, :, length : length + 1] = k
         value_buffer[:batch, :, length : length + 1] = v
+        mask = attend
         if wide:
             key, value = key_buffer[:batch], value_buffer[:batch]  # (B, H_kv, T_cap, D)
+            if mask.shape[1] != key.shape[2]:  # (per layer: each buffer's own width)
+                mask = F.pad(mask, [0, key.shape[2] - mask.shape[1]])  # (B, T_cap): the room masked out
         else:
             key, value = key_buffer[:batch, :, : length + 1], value_buffer[:batch, :, : length + 1]
         out = _attention(q, key, value, mask, scale).reshape(batch, 1, heads * dim)
@@ -155,10 +156,16 @@ def prefill_layers(
 
 
 _SCRIPTED: dict = {}
+_COMPILING = threading.Lock()  # (two engines in one process compile once)
 
 
 def scripted(name: str):
     """decode_layers or prefill_layers compiled by TorchScript (once per process, on first use)."""
+    with _COMPILING:
+        return _compiled(name)
+
+
+def _compiled(name: str):
     if name not in _SCRIPTED:
         with warnings.catch_warnings():  # (torch 2.13 calls TorchScript deprecated; see the module docstring)
             warnings.simplefilter("ignore", DeprecationWarning)

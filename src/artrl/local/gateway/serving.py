@@ -10,6 +10,7 @@ choice carries `prompt_token_ids`, `token_ids`, `token_logprobs` and `prompt_sou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -181,10 +182,15 @@ class ChatServing:
         self, prepared: PreparedRequest, streaming: bool
     ) -> AsyncIterator[Delta | ChoiceResult]:
         streams = self.engine.generate(prepared.prompt.ids, prepared.params, prepared.request.n)
-        if len(streams) == 1:  # (most requests: read the one stream here, without a task and a queue)
+        if len(streams) == 1 and not streaming:
+            # (one stream read here, without a task and a queue; a streamed answer keeps its task, which reads
+            # the tokens as they come, however slowly the client reads, and so stops the engine at a stop)
             try:
-                async for event in self._choice_events(0, streams[0], prepared, streaming):
-                    yield event
+                async with contextlib.aclosing(
+                    self._choice_events(0, streams[0], prepared, streaming)
+                ) as events:
+                    async for event in events:
+                        yield event
             finally:
                 streams[0].abort()
             return
