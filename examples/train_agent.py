@@ -223,7 +223,11 @@ async def main(args: argparse.Namespace) -> dict:
         scenarios = env.scenarios("train", args.steps * args.groups_per_step, args.seed)
         # --ahead N: the next N steps' rollouts are gathered while a step trains (N = 0: one after the other);
         # samples up to N updates old are trained, older ones dropped
-        config = artrl.TrainConfig(learning_rate=args.lr, max_staleness=args.ahead if args.ahead else None)
+        config = artrl.TrainConfig(
+            learning_rate=args.lr,
+            steps_per_call=args.steps_per_call,
+            max_staleness=args.ahead if args.ahead else None,
+        )
         history: list[dict] = []
         timings["rollouts"] = timings["training"] = 0.0
 
@@ -323,7 +327,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=6e-3)
+    parser.add_argument("--lr", type=float, default=4e-3)
+    parser.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=2,
+        help="optimizer steps per GRPO step, each on its share of the step's rows (TrainConfig.steps_per_call)",
+    )
     parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tuning")
     parser.add_argument("--val-size", type=int, default=96)
     parser.add_argument("--eval-every", type=int, default=10)
