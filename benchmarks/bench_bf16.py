@@ -2,11 +2,15 @@
 engine and one GRPO training step, with the trainer/sampler logprob mismatch each dtype gives.
 
 `EngineConfig(dtype="bfloat16")` loads the base weights in bf16; the LoRA adapter stays fp32 (PEFT keeps
-adapters in fp32 over a bf16 base) and the loss's log-softmax runs in fp32. For each dtype, alternating over
---rounds: a fresh model with a rank-8 LoRA; --agents sequences of --tokens sampled tokens at once (median of 3
-runs); then training steps on 8 of those sequences (advantages +-1, lr 1e-6), the first step's mismatch
-(before any update: engine and trainer on the same weights) and the median time of the others, with
-artrl's fused LoRA linears and with PEFT's layer forward in turn.
+adapters in fp32 over a bf16 base) and the loss's log-softmax runs in fp32. Per round (--rounds), a fresh model
+with a rank-8 LoRA per dtype, both loaded at once, taking turns: --agents sequences of --tokens sampled tokens
+at once (3 runs each); then training steps on 8 of those sequences (advantages +-1, lr 1e-6), the first step's
+mismatch (before any update: engine and trainer on the same weights) and the median time of the others,
+with artrl's fused LoRA linears and RMS norms (its defaults) and with PEFT's layer forward and the model's own
+norms, the dtypes' steps one after the other (a slow minute of a noisy machine falls on both), and the
+ratio of each such pair. And the step's largest matrix product alone in each dtype: the gain this CPU's bf16
+units allow (a CPU whose 512-bit units are split in two, as AMD's family 25, does bf16 products ~2.3x as
+fast as fp32; family 26 several times).
 
     .venv/bin/python benchmarks/bench_bf16.py [--rounds 2] [--agents 32] [--tokens 64]
 
@@ -29,9 +33,17 @@ from harness import HERE, alternating, command_line, dated_machine_line, ensure_
 
 SECTION_HEADING = "## bf16 vs fp32 (bench_bf16.py)"
 DTYPES = ("float32", "bfloat16")
+# the engines' threads end this soon after a call: the two models take turns, and an idle engine thread's
+# OpenMP team spinning next to the working one's would slow it (bench_idle_backend.py)
+IDLE_S = 0.05
 
 
-def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure_round(
+    folder: Path, args: argparse.Namespace, order: tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
+    """One round: a fresh model per dtype, both loaded at once; their decode runs and training steps take
+    turns (dtype after dtype, fused and PEFT's forward in turn), so that a slow minute of a noisy machine
+    falls on both dtypes alike."""
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
     from artrl.local.batch import TrainingBatch
     from artrl.local.engine import SamplingParams
@@ -40,14 +52,16 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
     from artrl.local.rows import Row
     from artrl.local.trainer import Trainer, attach_adapter
 
-    config = EngineConfig(dtype=dtype)
-    model, _ = load_model_and_tokenizer(str(folder), config)
-    model = attach_adapter(model, LoraConfig())
-    model.eval()
-    engine = HFEngine(model, max_context=2048, config=config)
     prompt = [(7 * i) % 1000 + 10 for i in range(40)]
+    engines = {}
+    for dtype in order:
+        config = EngineConfig(dtype=dtype, engine_thread_idle_s=IDLE_S)
+        model, _ = load_model_and_tokenizer(str(folder), config)
+        model = attach_adapter(model, LoraConfig())
+        model.eval()
+        engines[dtype] = (model, HFEngine(model, max_context=2048, config=config))
 
-    async def decode() -> tuple[float, list[tuple[list[int], list[float]]]]:
+    async def decode(engine: Any) -> tuple[float, list[tuple[list[int], list[float]]]]:
         async def one(seed: int) -> tuple[list[int], list[float]]:
             choices = [c async for c in engine.generate(prompt, SamplingParams(args.tokens, seed=seed), 1)[0]]
             return [c.token_id for c in choices], [c.logprob for c in choices]
@@ -56,42 +70,74 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
         out = await asyncio.gather(*(one(seed) for seed in range(args.agents)))
         return sum(len(ids) for ids, _ in out) / (time.perf_counter() - started), out
 
-    runs = [asyncio.run(decode()) for _ in range(3)]
-    # the same model trained by artrl's fused LoRA linears and by PEFT's layer forward, step by step in turn
-    trainers = {"fused": Trainer(model, pad_id=0, fused_lora=True), "peft": Trainer(model, pad_id=0)}
-    rows = []
-    for i, (ids, logprobs) in enumerate(runs[-1][1][:8]):
-        row = Row(trajectory=i, advantage=1.0 if i % 2 else -1.0, weight=1.0)
-        row.extend(prompt, sampled=False)
-        row.extend(ids, sampled=True, logprobs=logprobs)
-        rows.append(row)
-    steps: dict[str, list[float]] = {"fused": [], "peft": []}
+    runs: dict[str, list[Any]] = {d: [] for d in order}
+    for _ in range(3):
+        for dtype in order:
+            runs[dtype].append(asyncio.run(decode(engines[dtype][1])))
+    # each model trained by artrl's fused LoRA linears and RMS norms (TrainerConfig's defaults) and by PEFT's
+    # layer forward with the model's own norms
+    trainers, rows = {}, {}
+    for dtype, (model, _) in engines.items():
+        fused = Trainer(model, pad_id=0, fused_lora=True, fused_norms=True)
+        trainers[dtype] = {"fused": fused, "peft": Trainer(model, pad_id=0)}
+        rows[dtype] = []
+        for i, (ids, logprobs) in enumerate(runs[dtype][-1][1][:8]):
+            row = Row(trajectory=i, advantage=1.0 if i % 2 else -1.0, weight=1.0)
+            row.extend(prompt, sampled=False)
+            row.extend(ids, sampled=True, logprobs=logprobs)
+            rows[dtype].append(row)
+    steps = {d: {"fused": [], "peft": []} for d in order}
     first: dict[str, Any] = {}
     for k in range(2 * args.train_steps):
         name = ("fused", "peft")[k % 2]
-        trainer = trainers[name]
-        started = time.perf_counter()
-        metrics = engine.call(
-            lambda t=trainer: t.step(TrainingBatch(rows=rows), TrainConfig(learning_rate=1e-6))
-        )
-        result = metrics.result()
-        steps[name].append(time.perf_counter() - started)
-        if k == 0:
-            first = result
-    asyncio.run(engine.close())
+        for dtype in order if k % 4 < 2 else order[::-1]:
+            time.sleep(IDLE_S + 0.1)  # (the other engine's thread has ended: one OpenMP team at a time)
+            trainer, engine, batch = trainers[dtype][name], engines[dtype][1], TrainingBatch(rows=rows[dtype])
+            started = time.perf_counter()
+            result = engine.call(
+                lambda t=trainer, b=batch: t.step(b, TrainConfig(learning_rate=1e-6))
+            ).result()
+            steps[dtype][name].append(time.perf_counter() - started)
+            first.setdefault(dtype, result)
+    for _, engine in engines.values():
+        asyncio.run(engine.close())
+    # per pair of steps (the same kind, one right after the other): fp32 seconds / bf16 seconds
+    pairs = [
+        f / b for f, b in zip(steps["float32"]["fused"][1:], steps["bfloat16"]["fused"][1:], strict=True)
+    ]
     return {
-        "tok_s": statistics.median(r[0] for r in runs),
-        "tok_s_runs": [r[0] for r in runs],
-        "train_s": statistics.median(steps["fused"][1:]),
-        "train_s_peft": statistics.median(steps["peft"][1:]),
-        "mismatch_mean": first["logprob_mismatch_mean"],
-        "mismatch_max": first["logprob_mismatch_max"],
-        "mismatch_fraction": first["logprob_mismatch_fraction"],
+        dtype: {
+            "tok_s": statistics.median(r[0] for r in runs[dtype]),
+            "tok_s_runs": [r[0] for r in runs[dtype]],
+            "train_s": statistics.median(steps[dtype]["fused"][1:]),
+            "train_s_peft": statistics.median(steps[dtype]["peft"][1:]),
+            "pair_ratios": pairs,
+            "mismatch_mean": first[dtype]["logprob_mismatch_mean"],
+            "mismatch_max": first[dtype]["logprob_mismatch_max"],
+            "mismatch_fraction": first[dtype]["logprob_mismatch_fraction"],
+        }
+        for dtype in order
     }
 
 
+def product_ms(dtype: str, repeats: int = 40) -> float:
+    """Median milliseconds of the step's largest matrix product (the MLP's: 8 x 104 tokens, 512 -> 1536) in
+    `dtype`: what this CPU's bf16 units give over fp32 before anything else in the step counts."""
+    import torch
+
+    x = torch.randn(832, 512, dtype=getattr(torch, dtype))  # (N, in)
+    w = torch.randn(1536, 512, dtype=x.dtype)  # (out, in)
+    times = []
+    for k in range(repeats + 5):
+        started = time.perf_counter()
+        x @ w.t()
+        if k >= 5:
+            times.append(1000 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
 def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, wall: float) -> str:
-    keys = ("tok_s", "train_s", "train_s_peft")
+    keys = ("tok_s", "train_s", "train_s_peft", "product_ms")
     med = {d: {k: statistics.median(r[k] for r in results[d]) for k in keys} for d in DTYPES}
     lines = [
         SECTION_HEADING,
@@ -99,9 +145,9 @@ def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         dated_machine_line(),
         f"- `small` preset (~27M parameters) with a rank-8 LoRA; decode: {args.agents} sequences x {args.tokens} "
         f"tokens at once (40-token prompt), median of 3 runs; train: one GRPO step on 8 of those sequences, median "
-        f"of {args.train_steps - 1} steps with artrl's fused LoRA linears (`TrainerConfig.fused_lora`, the default) "
-        f"and as many with PEFT's layer forward, the two taking turns step by step on the same model (lr 1e-6); "
-        f"{args.rounds} round(s), dtypes alternating, a fresh model each",
+        f"of {args.train_steps - 1} steps with artrl's fused LoRA linears and RMS norms (`TrainerConfig.fused_lora`, "
+        f"`fused_norms`: the defaults) and as many with PEFT's layer forward and the model's own norms (lr 1e-6); "
+        f"{args.rounds} round(s), each with a fresh model per dtype, both loaded, their runs and steps taking turns",
         f"- Command: `{command_line()}`; wall time {wall:.0f} s",
         "",
         "| dtype | decode tok/s | train step s | train step s, PEFT's forward | mismatch mean | mismatch max | "
@@ -116,14 +162,20 @@ def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
             + "; ".join(f"{r['tok_s']:.0f}, {r['train_s']:.3f}, {r['train_s_peft']:.3f}" for r in rs)
             + " |"
         )
+    pairs = [x for r in results["float32"] for x in r["pair_ratios"]]
     speed = med["bfloat16"]["tok_s"] / med["float32"]["tok_s"]
     train = med["float32"]["train_s"] / med["bfloat16"]["train_s"]
     peft = {d: med[d]["train_s_peft"] / med[d]["train_s"] for d in DTYPES}
     lines += [
         "",
         f"bf16 / fp32: decode {speed:.2f}x, training step {train:.2f}x faster "
-        f"(with PEFT's forward: {med['float32']['train_s_peft'] / med['bfloat16']['train_s_peft']:.2f}x). "
-        f"Fused LoRA linears / PEFT's forward: fp32 {peft['float32']:.2f}x, bf16 {peft['bfloat16']:.2f}x faster.",
+        f"(with PEFT's forward: {med['float32']['train_s_peft'] / med['bfloat16']['train_s_peft']:.2f}x); per "
+        f"pair of steps one right after the other, fp32 s / bf16 s: median {statistics.median(pairs):.2f}x "
+        f"({min(pairs):.2f}-{max(pairs):.2f}x, {len(pairs)} pairs). "
+        f"Fused LoRA linears and norms / PEFT's forward and the model's norms: fp32 {peft['float32']:.2f}x, bf16 {peft['bfloat16']:.2f}x faster.",
+        f"The step's largest matrix product alone (832 x 512 -> 1536): fp32 {med['float32']['product_ms']:.2f} ms, "
+        f"bf16 {med['bfloat16']['product_ms']:.2f} ms = {med['float32']['product_ms'] / med['bfloat16']['product_ms']:.2f}x "
+        "(the bound this CPU's bf16 units set on the step's gain: the rest of the step gains less).",
         "",
     ]
     return "\n".join(lines)
@@ -142,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = ensure_model("small", args.model_cache)
     results: dict[str, list[dict[str, Any]]] = {d: [] for d in DTYPES}
     for k in range(args.rounds):
+        measured = measure_round(folder, args, alternating(DTYPES, k))
         for dtype in alternating(DTYPES, k):
-            results[dtype].append(measure(folder, dtype, args))
+            results[dtype].append({**measured[dtype], "product_ms": product_ms(dtype)})
             print(f"round {k + 1} {dtype}: {results[dtype][-1]}", flush=True)
     return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 

@@ -168,8 +168,11 @@ async def one_token_ms(ep: Endpoint, calls: int) -> list[float]:
     return times
 
 
-# before each run: the other embedded engines' threads end (they would slow the measured one's OpenMP team)
-THREADS_END_S = 0.5 + EngineConfig().engine_thread_idle_s
+def threads_end_s() -> float:
+    """Waited before each run: the other embedded engines' threads end (they would slow the measured one's
+    OpenMP team). (A function, not a constant: bench_against_commit.py imports this module under the artrl
+    of an earlier commit, whose EngineConfig may not have the setting.)"""
+    return 0.5 + EngineConfig().engine_thread_idle_s
 
 
 def rotated(run: int) -> tuple[str, ...]:
@@ -208,7 +211,7 @@ async def bench_workload(endpoints: dict[str, Endpoint], work: Workload, runs: i
     result = WorkloadResult(work, {label: [] for label in ENDPOINTS})
     for run in range(runs):
         for label in rotated(run):
-            await harness.settle(at_least_s=THREADS_END_S)
+            await harness.settle(at_least_s=threads_end_s())
             stats = await run_sessions(endpoints[label], work, f"{run + 1}")
             result.runs[label].append(stats)
             print(
@@ -298,7 +301,7 @@ async def run(args: argparse.Namespace) -> tuple[list[WorkloadResult], dict[str,
                     await one_token_ms(endpoints["tiny"][label], 3)  # warm-up
                 for run_index in range(args.runs):
                     for label in rotated(run_index):
-                        await harness.settle(at_least_s=THREADS_END_S)
+                        await harness.settle(at_least_s=threads_end_s())
                         overhead[label] += await one_token_ms(endpoints["tiny"][label], args.overhead_calls)
                         print(f"[c] {label}: median {statistics.median(overhead[label]):.1f} ms", flush=True)
         finally:

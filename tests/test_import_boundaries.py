@@ -58,6 +58,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.fused_decode": 2,  # the decode step without the module tree
     "artrl.local.scripted_layers": 2,  # its layers as TorchScript functions (pure torch)
     "artrl.local.fused_lora": 2,  # LoRA linears trained through one autograd function each
+    "artrl.local.fused_norm": 2,  # RMS norms trained through one autograd function each
     "artrl.local.logprobs": 2,  # the trainer's forward: logprobs at trainable positions, shared prompts
     "artrl.local.idle_thread": 2,  # an executor whose one thread ends when idle (stdlib)
     "artrl.local.in_process": 2,  # an httpx transport to the gateway in the same process

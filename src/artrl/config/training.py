@@ -52,6 +52,12 @@ class TrainerConfig(_Frozen):
         "PEFT's layer forward: the same gradients, 1.14x faster bf16 steps on a 2-core CPU. Layers with dropout, DoRA or "
         "a LoRA bias keep PEFT's forward either way",
     )
+    fused_norms: bool = Field(
+        default=True,
+        description="ranks=1: each RMS norm of the Llama/Qwen kind trains through one autograd function with its "
+        "backward pass in closed form (local/fused_norm.py) instead of a dozen autograd nodes: the same forward, "
+        "bit for bit, and gradients equal to rounding. Norms that compute anything else keep their forward",
+    )
     share_prompts: bool = Field(
         default=True,
         description="ranks=1: rows that begin with the same prompt (a group's rollouts of one scenario) train in "

@@ -111,6 +111,7 @@ class LocalService:
                         pad_id=tokenizer.pad_token_id or 0,
                         fused_lora=trainer_config.fused_lora,
                         share_prompts=trainer_config.share_prompts,
+                        fused_norms=trainer_config.fused_norms,
                     )
                     if resume_from is not None:
                         trainer.load(str(resume_from))

@@ -19,6 +19,7 @@ import torch
 from artrl.config import LoraConfig, SFTConfig, TrainConfig
 from artrl.local.batch import TrainingBatch
 from artrl.local.fused_lora import FusedLoraTraining
+from artrl.local.fused_norm import FusedNormTraining
 from artrl.local.logprobs import head_is_the_models, shares_prefixes, token_logprobs, unwrapped
 from artrl.local.loss import LossTerms, policy_loss, sft_loss
 from artrl.local.pack import MicroBatch, collate, pack, pack_by_prompt, shared_prompt
@@ -158,6 +159,7 @@ class Trainer:
     `logprobs` (the forward through its FSDP root), `micro_batches` (its share of each step's rows, [] = a
     pass that trains nothing and keeps the ranks' collectives in step) and `across` (metric reduction).
     `fused_lora`: plain LoRA linears train through `fused_lora.FusedLoraLinear` (TrainerConfig.fused_lora);
+    `fused_norms`: RMS norms through `fused_norm.FusedRMSNorm` (TrainerConfig.fused_norms);
     `share_prompts`: rows sharing a prompt compute it once (TrainerConfig.share_prompts; logprobs.py)."""
 
     def __init__(
@@ -169,6 +171,7 @@ class Trainer:
         across: Reduction | None = None,
         fused_lora: bool = False,
         share_prompts: bool = False,
+        fused_norms: bool = False,
     ) -> None:
         self.model = model
         self.pad_id = pad_id
@@ -193,6 +196,7 @@ class Trainer:
         self.micro_batches = micro_batches
         self.across: Reduction = across or OneProcess()
         self._fused = FusedLoraTraining.of(model) if fused_lora else None
+        self._norms = FusedNormTraining.of(model) if fused_norms else None
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
         """GRPO: rows (with their advantages) → micro-batches → logprobs → loss → backward, then clip and
@@ -297,12 +301,15 @@ class Trainer:
         if config.gradient_checkpointing:  # (on for this call only: generation never checkpoints)
             unwrapped(self.model).activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()
-        if self._fused is not None:  # (PEFT's modules back in _end: saving and merging see them)
-            self._fused.fuse()
+        # (the model's own modules back in _end: saving and merging see them)
+        for swap in (self._fused, self._norms):
+            if swap is not None:
+                swap.fuse()
 
     def _end(self) -> None:
-        if self._fused is not None:
-            self._fused.restore()
+        for swap in (self._fused, self._norms):
+            if swap is not None:
+                swap.restore()
         self.model.eval()
         inner = unwrapped(self.model)
         if inner.is_activation_checkpointing:
