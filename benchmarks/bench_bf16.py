@@ -78,7 +78,7 @@ def measure_round(
     # layer forward with the model's own norms
     trainers, rows = {}, {}
     for dtype, (model, _) in engines.items():
-        fused = Trainer(model, pad_id=0, fused_lora=True, fused_norms=True)
+        fused = Trainer(model, pad_id=0, fused_lora=True, fused_norms=True, share_prompts=True)
         trainers[dtype] = {"fused": fused, "peft": Trainer(model, pad_id=0)}
         rows[dtype] = []
         for i, (ids, logprobs) in enumerate(runs[dtype][-1][1][:8]):
@@ -99,6 +99,10 @@ def measure_round(
             ).result()
             steps[dtype][name].append(time.perf_counter() - started)
             first.setdefault(dtype, result)
+    split = {
+        dtype: engines[dtype][1].call(lambda t=trainers[dtype]["fused"], d=dtype: profiled_step(t, rows[d])).result()
+        for dtype in order
+    }
     for _, engine in engines.values():
         asyncio.run(engine.close())
     # per pair of steps (the same kind, one right after the other): fp32 seconds / bf16 seconds
@@ -112,12 +116,51 @@ def measure_round(
             "train_s": statistics.median(steps[dtype]["fused"][1:]),
             "train_s_peft": statistics.median(steps[dtype]["peft"][1:]),
             "pair_ratios": pairs,
+            "products_ms": split[dtype][0],
+            "rest_ms": split[dtype][1],
             "mismatch_mean": first[dtype]["logprob_mismatch_mean"],
             "mismatch_max": first[dtype]["logprob_mismatch_max"],
             "mismatch_fraction": first[dtype]["logprob_mismatch_fraction"],
         }
         for dtype in order
     }
+
+
+PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm")
+
+
+def profiled_step(trainer: Any, rows: list[Any]) -> tuple[float, float]:
+    """One training step under torch's profiler (on the engine's thread): milliseconds of CPU time in matrix
+    products (`PRODUCTS`, their own time) and in everything else. What bf16 can gain is mostly the first
+    (products run at the bf16 units' rate); the rest (norms, activations, softmax, casts, Python, autograd) gains
+    little, so it bounds the step's gain (Amdahl)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from artrl.config import TrainConfig
+    from artrl.local.batch import TrainingBatch
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.step(TrainingBatch(rows=rows), TrainConfig(learning_rate=1e-6))
+    events = prof.key_averages()
+    products = sum(e.self_cpu_time_total for e in events if e.key in PRODUCTS) / 1000
+    total = sum(e.self_cpu_time_total for e in events) / 1000
+    return products, total - products
+
+
+def peak_gflops(dtype: str, n: int = 2048) -> float:
+    """This CPU's matrix-product rate in `dtype` on a large square product (n x n x n), best of 5: what its
+    units give when nothing else counts."""
+    import torch
+
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, dtype=a.dtype)
+    a @ b
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * n**3 / min(times) / 1e9
 
 
 def product_ms(dtype: str, repeats: int = 40) -> float:
@@ -136,8 +179,25 @@ def product_ms(dtype: str, repeats: int = 40) -> float:
     return statistics.median(times)
 
 
+def ratio(med: dict[str, dict[str, float]], key: str) -> float:
+    return med["float32"][key] / med["bfloat16"][key]
+
+
+def amdahl(med: dict[str, dict[str, float]]) -> str:
+    """What the profiled split allows: the step's ratio with the rest at no cost in either dtype, and how much
+    of bf16's rest would have to go (everything else as it is) for a 2x step."""
+    f, b = med["float32"], med["bfloat16"]
+    bound = f["products_ms"] / b["products_ms"]
+    # (Pf + Rf) / (Pb + x) = 2  =>  x = (Pf + Rf) / 2 - Pb
+    allowed = (f["products_ms"] + f["rest_ms"]) / 2 - b["products_ms"]
+    need = "" if allowed >= b["rest_ms"] else (
+        f" A 2x step would need bf16's rest at {max(allowed, 0):.0f} ms instead of {b['rest_ms']:.0f} (fp32's as it is)."
+    )
+    return f"With the rest at no cost in both, the step would be {bound:.2f}x.{need}"
+
+
 def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, wall: float) -> str:
-    keys = ("tok_s", "train_s", "train_s_peft", "product_ms")
+    keys = ("tok_s", "train_s", "train_s_peft", "product_ms", "products_ms", "rest_ms", "peak_gflops")
     med = {d: {k: statistics.median(r[k] for r in results[d]) for k in keys} for d in DTYPES}
     lines = [
         SECTION_HEADING,
@@ -175,7 +235,13 @@ def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         f"Fused LoRA linears and norms / PEFT's forward and the model's norms: fp32 {peft['float32']:.2f}x, bf16 {peft['bfloat16']:.2f}x faster.",
         f"The step's largest matrix product alone (832 x 512 -> 1536): fp32 {med['float32']['product_ms']:.2f} ms, "
         f"bf16 {med['bfloat16']['product_ms']:.2f} ms = {med['float32']['product_ms'] / med['bfloat16']['product_ms']:.2f}x "
-        "(the bound this CPU's bf16 units set on the step's gain: the rest of the step gains less).",
+        "(the bound this CPU's bf16 units set on the step's gain: the rest of the step gains less); "
+        f"a 2048^3 product: fp32 {med['float32']['peak_gflops']:.0f}, bf16 {med['bfloat16']['peak_gflops']:.0f} "
+        f"GFLOP/s = {med['bfloat16']['peak_gflops'] / med['float32']['peak_gflops']:.2f}x.",
+        f"One profiled step (CPU time): matrix products fp32 {med['float32']['products_ms']:.0f} ms, bf16 "
+        f"{med['bfloat16']['products_ms']:.0f} ms ({ratio(med, 'products_ms'):.2f}x); everything else fp32 "
+        f"{med['float32']['rest_ms']:.0f} ms, bf16 {med['bfloat16']['rest_ms']:.0f} ms "
+        f"({ratio(med, 'rest_ms'):.2f}x). {amdahl(med)}",
         "",
     ]
     return "\n".join(lines)
@@ -196,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.rounds):
         measured = measure_round(folder, args, alternating(DTYPES, k))
         for dtype in alternating(DTYPES, k):
-            results[dtype].append({**measured[dtype], "product_ms": product_ms(dtype)})
+            results[dtype].append(
+                {**measured[dtype], "product_ms": product_ms(dtype), "peak_gflops": peak_gflops(dtype)}
+            )
             print(f"round {k + 1} {dtype}: {results[dtype][-1]}", flush=True)
     return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 

@@ -81,10 +81,13 @@ async def sft_stage(
     path: str,
 ) -> str:
     """Fully fine-tune `base_model` on `transcripts()`; the result is cached as a model folder keyed by
-    everything that determines it."""
-    parts = [base_model, config.model_dump(), *key_parts]
+    everything that determines it. A base model from this cache counts by its folder's name, not its path:
+    the cache holds wherever --path is (moved, copied, or given as another path)."""
+    models = Path(path) / "models"
+    base = Path(base_model).name if Path(base_model).parent == models else base_model
+    parts = [base, config.model_dump(), *key_parts]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
-    folder = Path(path) / "models" / f"{name}-{key}"
+    folder = models / f"{name}-{key}"
     if (folder / "config.json").exists():
         return str(folder)
     model = artrl.TrainableModel(name=f"{name}-{key}", project="maze", base_model=base_model, lora=None)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,28 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def demo_models(tmp_path_factory: pytest.TempPathFactory):
+    """`with demo_models(PATH, kind):` around a run of examples/train_agent.py with --path PATH. The demo keeps
+    its warm-start models (the pretraining stand-in, the warm start: deterministic SFT stages) under
+    PATH/models, keyed by everything that determines them but PATH; the session's runs of one `kind` (the
+    same warm-start settings) share them: the first run builds them, later runs start from a copy and find
+    them there, as a rerun of the demo on the same --path does. (A failed run leaves nothing to share.)"""
+    shared = tmp_path_factory.mktemp("demo-models")
+
+    @contextlib.contextmanager
+    def use(path: Path, kind: str):
+        kept, models = shared / kind, path / "models"
+        if kept.exists():
+            shutil.copytree(kept, models)
+        yield
+        for folder in models.iterdir():
+            if folder.is_dir() and not folder.name.endswith(".tmp") and not (kept / folder.name).exists():
+                shutil.copytree(folder, kept / folder.name)
+
+    return use
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -19,35 +21,58 @@ import artrl.storage
 pytestmark = pytest.mark.slow
 
 
-def run_until_killed(base_model: Path, path: Path, min_step: int, delay: float) -> None:
+@pytest.fixture
+def trainers():
+    """Starts trainers (tests/train_forever.py) that the test kills: forked by a process that imported what
+    they need once (`train_forever.py --fork`), each a process of its own."""
     script = Path(__file__).with_name("train_forever.py")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(base_model), str(path)],
+    server = subprocess.Popen(
+        [sys.executable, str(script), "--fork"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    yield server
+    server.kill()
+    server.wait(30)
+
+
+def run_until_killed(
+    trainers: subprocess.Popen, base_model: Path, path: Path, min_step: int, delay: float
+) -> None:
+    assert trainers.stdin is not None and trainers.stdout is not None
+    trainers.stdin.write(json.dumps([str(base_model), str(path)]) + "\n")
+    trainers.stdin.flush()
+    word, pid = trainers.stdout.readline().split()
+    assert word == "pid"
+    ended = False
     try:
         deadline = time.monotonic() + 240
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if int(line.split()[1]) >= min_step:
+        for line in trainers.stdout:
+            word, value = line.split()
+            ended = word == "ended"
+            assert not ended, f"the trainer ended before step {min_step}"
+            if int(value) >= min_step:
                 break
             assert time.monotonic() < deadline, "training made no progress"
         time.sleep(delay)  # lands anywhere in the next rollouts / training step / checkpoint write
     finally:
-        proc.kill()  # SIGKILL
-        proc.wait(30)
+        if not ended:
+            os.kill(int(pid), signal.SIGKILL)
+            for line in trainers.stdout:  # (the steps it printed meanwhile) until it is gone
+                if line.split()[0] == "ended":
+                    break
 
 
-async def test_kill_9_then_resume(tiny_model_dir, tmp_path):
+async def test_kill_9_then_resume(tiny_model_dir, tmp_path, trainers):
     path = tmp_path / "artrl"
     rng = random.Random(0)
     last = 0
     kills = []
     for round_ in range(10):
         delay = rng.uniform(0.0, 1.5)
-        run_until_killed(tiny_model_dir, path, last + 1, delay)
+        run_until_killed(trainers, tiny_model_dir, path, last + 1, delay)
         directory = path / "t" / "crash"
         steps = sorted(int(p.name) for p in (directory / "checkpoints").iterdir() if p.name.isdigit())
         assert steps == list(range(1, steps[-1] + 1)), f"round {round_}: checkpoints {steps}"

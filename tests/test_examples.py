@@ -102,18 +102,19 @@ def run_train_agent(*args: str, timeout: float, env: dict[str, str] | None = Non
 
 
 @pytest.mark.slow
-def test_train_agent_learns_the_maze(tmp_path):
+def test_train_agent_learns_the_maze(tmp_path, demo_models):
     """The demo, shortened: pretraining stand-in + weak warm start + 16 GRPO steps on a LoRA. Validation
     success on unseen mazes must rise far beyond noise (48 mazes: one standard error is <= 0.07). At 12 steps
     the gain was +0.23..+0.35 over 6 runs (batch timing changes the sampled tokens): too close to the bar.
     W&B (offline), TensorBoard and trackio each receive the demo's metrics, read back with their own readers."""
     out, trackers = tmp_path / "out", tmp_path / "trackers"
-    stdout = run_train_agent(
-        *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16"),
-        *("--val-size", "48", "--eval-every", "8", "--report-to", "tensorboard,wandb,trackio"),
-        env=tracker_env(trackers),  # W&B offline; every tracker's files under tmp_path
-        timeout=900,
-    )
+    with demo_models(tmp_path / "artrl", "tiny"):
+        stdout = run_train_agent(
+            *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16"),
+            *("--val-size", "48", "--eval-every", "8", "--report-to", "tensorboard,wandb,trackio"),
+            env=tracker_env(trackers),  # W&B offline; every tracker's files under tmp_path
+            timeout=900,
+        )
     summary = json.loads((out / "summary_seed0.json").read_text())
     before, after = summary["before"], summary["after"]
     assert after["success"] - before["success"] >= 0.25, summary["val_points"]
@@ -143,16 +144,17 @@ def test_train_agent_learns_the_maze(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_agent_learns_with_asynchronous_rollouts(tmp_path):
+def test_train_agent_learns_with_asynchronous_rollouts(tmp_path, demo_models):
     """`--ahead 1`: each step's rollouts are gathered while the step before trains (artrl.rollouts_ahead),
     so from the second step on they are one update old; the demo still learns, and every step's history
     reports that staleness (none dropped: TrainConfig.max_staleness=1 allows it)."""
     out = tmp_path / "out"
-    run_train_agent(
-        *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16", "--ahead", "1"),
-        *("--val-size", "48", "--eval-every", "8"),
-        timeout=900,
-    )
+    with demo_models(tmp_path / "artrl", "tiny"):
+        run_train_agent(
+            *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16", "--ahead", "1"),
+            *("--val-size", "48", "--eval-every", "8"),
+            timeout=900,
+        )
     summary = json.loads((out / "summary_seed0_ahead1.json").read_text())
     # the best validation after training started: one CI run (2026-12-01) went 0.10 -> 0.46 at step 8 and
     # back to 0.21 at step 16 (two reruns ended at 0.77 and 0.75): 48 mazes and one-update-old rollouts at the
@@ -180,16 +182,17 @@ def visit_dashboard(root: Path, out: Path, run: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path, engine):
+def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path, engine, demo_models):
     """--base-model with a locally built folder standing in for a hub model: no pretraining stand-in, the
     warm start fine-tunes that folder, then GRPO runs, without code changes; on either rollout engine."""
     out = tmp_path / "out"
-    run_train_agent(
-        *("--base-model", str(tiny_model_dir), "--path", str(tmp_path / "artrl"), "--out", str(out)),
-        *("--steps", "1", "--val-size", "4", "--sft-examples", "32", "--eval-every", "0"),
-        *("--groups-per-step", "2", "--group-size", "2", "--engine", engine),
-        timeout=600,
-    )
+    with demo_models(tmp_path / "artrl", "model-folder"):  # (the warm start: the same for either engine)
+        run_train_agent(
+            *("--base-model", str(tiny_model_dir), "--path", str(tmp_path / "artrl"), "--out", str(out)),
+            *("--steps", "1", "--val-size", "4", "--sft-examples", "32", "--eval-every", "0"),
+            *("--groups-per-step", "2", "--group-size", "2", "--engine", engine),
+            timeout=600,
+        )
     tag = "seed0" if engine == "hf" else f"seed0_{engine}"
     summary = json.loads((out / f"summary_{tag}.json").read_text())
     assert summary["engine"] == engine and (out / f"reward_curve_{tag}.png").exists()

@@ -301,7 +301,7 @@ def test_a_rank_that_cannot_start_says_why(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path):
+def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path, demo_models):
     """tests/test_examples.py's learning test (the same shortened demo and the same bar: +0.25 validation
     success, +0.15 reward on 48 unseen mazes) with GRPO in 2 trainer processes (FSDP2 on gloo)."""
     import json
@@ -310,16 +310,17 @@ def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path):
 
     out = tmp_path / "out"
     script = Path(__file__).parent.parent / "examples" / "train_agent.py"
-    subprocess.run(
-        [
-            *(sys.executable, str(script), "--path", str(tmp_path / "artrl"), "--out", str(out)),
-            *("--steps", "16", "--val-size", "48", "--eval-every", "8", "--trainer-ranks", "2"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-    )
+    with demo_models(tmp_path / "artrl", "tiny"):  # (the warm start: test_examples.py's, when it ran)
+        done = subprocess.run(
+            [
+                *(sys.executable, str(script), "--path", str(tmp_path / "artrl"), "--out", str(out)),
+                *("--steps", "16", "--val-size", "48", "--eval-every", "8", "--trainer-ranks", "2"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary_seed0_ranks2.json").read_text())
     before, after = summary["before"], summary["after"]
     assert summary["trainer_ranks"] == 2 and len(summary["history"]) == 16

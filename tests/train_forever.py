@@ -1,9 +1,17 @@
-"""Subprocess for the crash test: roll out and train in a loop, printing each completed step."""
+"""Subprocess for the crash test: roll out and train in a loop, printing each completed step.
+
+`python train_forever.py BASE_MODEL PATH` trains. `python train_forever.py --fork` imports what a trainer needs
+once, then for each JSON line `[BASE_MODEL, PATH]` read from stdin forks a trainer (a process of its own, which
+prints `pid N` first) and prints `ended N` once that process is gone: the crash test's rounds, each killing a
+trainer, do not pay those imports (~5 s) again."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
+import traceback
 
 import artrl
 
@@ -29,5 +37,30 @@ async def main(base_model: str, path: str) -> None:
             print(f"step {result.step}", flush=True)
 
 
+def fork_trainers() -> None:
+    import peft  # noqa: F401  (what registering a model imports: the forked trainers find them loaded)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import artrl.local.backend  # noqa: F401
+
+    for line in sys.stdin:
+        base_model, path = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the trainer: it runs until it is killed
+            try:
+                print(f"pid {os.getpid()}", flush=True)
+                asyncio.run(main(base_model, path))
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        os.waitpid(pid, 0)
+        print(f"ended {pid}", flush=True)
+
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    if sys.argv[1:] == ["--fork"]:
+        fork_trainers()
+    else:
+        asyncio.run(main(sys.argv[1], sys.argv[2]))
