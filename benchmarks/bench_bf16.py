@@ -6,7 +6,7 @@ adapters in fp32 over a bf16 base) and the loss's log-softmax runs in fp32. Per 
 with a rank-8 LoRA per dtype, both loaded at once, taking turns: --agents sequences of --tokens sampled tokens
 at once (3 runs each); then training steps on 8 of those sequences (advantages +-1, lr 1e-6), the first step's
 mismatch (before any update: engine and trainer on the same weights) and the median time of the others,
-with artrl's fused LoRA linears and RMS norms (its defaults) and with PEFT's layer forward and the model's own
+with artrl's fused LoRA linears and RMS norms (its defaults; shared prompts on in both) and with PEFT's layer forward and the model's own
 norms, the dtypes' steps one after the other (a slow minute of a noisy machine falls on both), and the
 ratio of each such pair. And the step's largest matrix product alone in each dtype: the gain this CPU's bf16
 units allow (a CPU whose 512-bit units are split in two, as AMD's family 25, does bf16 products ~2.3x as
@@ -79,7 +79,8 @@ def measure_round(
     trainers, rows = {}, {}
     for dtype, (model, _) in engines.items():
         fused = Trainer(model, pad_id=0, fused_lora=True, fused_norms=True, share_prompts=True)
-        trainers[dtype] = {"fused": fused, "peft": Trainer(model, pad_id=0)}
+        # (shared prompts in both: the fused/PEFT ratio is the fused layers' alone)
+        trainers[dtype] = {"fused": fused, "peft": Trainer(model, pad_id=0, share_prompts=True)}
         rows[dtype] = []
         for i, (ids, logprobs) in enumerate(runs[dtype][-1][1][:8]):
             row = Row(trajectory=i, advantage=1.0 if i % 2 else -1.0, weight=1.0)
@@ -206,7 +207,7 @@ def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         f"- `small` preset (~27M parameters) with a rank-8 LoRA; decode: {args.agents} sequences x {args.tokens} "
         f"tokens at once (40-token prompt), median of 3 runs; train: one GRPO step on 8 of those sequences, median "
         f"of {args.train_steps - 1} steps with artrl's fused LoRA linears and RMS norms (`TrainerConfig.fused_lora`, "
-        f"`fused_norms`: the defaults) and as many with PEFT's layer forward and the model's own norms (lr 1e-6); "
+        f"`fused_norms`, `share_prompts`: the defaults) and as many with PEFT's layer forward and the model's own norms (lr 1e-6); "
         f"{args.rounds} round(s), each with a fresh model per dtype, both loaded, their runs and steps taking turns",
         f"- Command: `{command_line()}`; wall time {wall:.0f} s",
         "",

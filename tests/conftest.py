@@ -54,7 +54,7 @@ def demo_models(tmp_path_factory: pytest.TempPathFactory):
         if kept.exists():
             shutil.copytree(kept, models)
         yield
-        for folder in models.iterdir():
+        for folder in models.iterdir() if models.exists() else ():
             if folder.is_dir() and not folder.name.endswith(".tmp") and not (kept / folder.name).exists():
                 shutil.copytree(folder, kept / folder.name)
 
