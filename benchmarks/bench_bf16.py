@@ -10,9 +10,10 @@ with artrl's fused LoRA linears and RMS norms (its defaults; shared prompts on i
 norms, the dtypes' steps one after the other (a slow minute of a noisy machine falls on both), and the
 ratio of each such pair. And the step's largest matrix product alone in each dtype: the gain this CPU's bf16
 units allow (a CPU whose 512-bit units are split in two, as AMD's family 25, does bf16 products ~2.3x as
-fast as fp32; family 26 several times).
+fast as fp32; family 26 several times). After the rounds, GRPO steps on agent-length rows (16 x 1,000 tokens by
+default): fp32 and bf16 as artrl trains them, and bf16 with torch's flash kernel instead of artrl's attention.
 
-    .venv/bin/python benchmarks/bench_bf16.py [--rounds 2] [--agents 32] [--tokens 64]
+    .venv/bin/python benchmarks/bench_bf16.py [--rounds 2] [--agents 32] [--tokens 64] [--long-rows 16]
 
 The section `## bf16 vs fp32 (bench_bf16.py)` of benchmarks/RESULTS.md is replaced.
 """
@@ -101,7 +102,9 @@ def measure_round(
             steps[dtype][name].append(time.perf_counter() - started)
             first.setdefault(dtype, result)
     split = {
-        dtype: engines[dtype][1].call(lambda t=trainers[dtype]["fused"], d=dtype: profiled_step(t, rows[d])).result()
+        dtype: engines[dtype][1]
+        .call(lambda t=trainers[dtype]["fused"], d=dtype: profiled_step(t, rows[d]))
+        .result()
         for dtype in order
     }
     for _, engine in engines.values():
@@ -125,6 +128,53 @@ def measure_round(
         }
         for dtype in order
     }
+
+
+LONG_VARIANTS = (("float32", "artrl_cpu"), ("bfloat16", "artrl_cpu"), ("bfloat16", "sdpa"))
+
+
+def agent_length_steps(folder: Path, args: argparse.Namespace) -> dict[tuple[str, str], list[float]]:
+    """Seconds of GRPO steps on agent-length rows (--long-rows rows of --long-prompt shared prompt tokens and
+    --long-tokens trained ones; the token ids are drawn, their values cost nothing), after the rounds, with a
+    fresh model per dtype: fp32 and bf16 as artrl trains them (its attention `artrl_cpu`: the flash kernel in
+    fp32, `chunked_attention` in bf16), and bf16 with torch's flash kernel ("sdpa"), the three taking turns."""
+    import random
+
+    from artrl.config import EngineConfig, LoraConfig, TrainConfig
+    from artrl.local.batch import TrainingBatch
+    from artrl.local.cpu_attention import NAME
+    from artrl.local.loading import load_model_and_tokenizer
+    from artrl.local.rows import Row
+    from artrl.local.trainer import Trainer, attach_adapter
+
+    draw = random.Random(0)
+    prompt = [draw.randrange(10, 1000) for _ in range(args.long_prompt)]
+    rows = []
+    for i in range(args.long_rows):
+        row = Row(trajectory=i, advantage=1.0 if i % 2 else -1.0, weight=1.0)
+        row.extend(prompt, sampled=False)
+        tokens = [draw.randrange(10, 1000) for _ in range(args.long_tokens)]
+        row.extend(tokens, sampled=True, logprobs=[-1.0] * args.long_tokens)
+        rows.append(row)
+    models = {}
+    for dtype in DTYPES:
+        model, _ = load_model_and_tokenizer(str(folder), EngineConfig(dtype=dtype))
+        models[dtype] = attach_adapter(model, LoraConfig())
+    steps: dict[tuple[str, str], list[float]] = {v: [] for v in LONG_VARIANTS}
+    for k in range(args.long_steps):
+        for dtype, attention in LONG_VARIANTS if k % 2 == 0 else LONG_VARIANTS[::-1]:
+            model = models[dtype]
+            trainer = Trainer(model, pad_id=0, fused_lora=True, fused_norms=True, share_prompts=True)
+            model.get_base_model().set_attn_implementation(NAME if attention == "artrl_cpu" else attention)
+            started = time.perf_counter()
+            trainer.step(TrainingBatch(rows=rows), TrainConfig(learning_rate=1e-6))
+            steps[(dtype, attention)].append(time.perf_counter() - started)
+            model.get_base_model().set_attn_implementation(NAME)
+            print(
+                f"agent-length step {k + 1} {dtype} {attention}: {steps[(dtype, attention)][-1]:.2f} s",
+                flush=True,
+            )
+    return steps
 
 
 PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm")
@@ -191,14 +241,31 @@ def amdahl(med: dict[str, dict[str, float]]) -> str:
     bound = f["products_ms"] / b["products_ms"]
     # (Pf + Rf) / (Pb + x) = 2  =>  x = (Pf + Rf) / 2 - Pb
     allowed = (f["products_ms"] + f["rest_ms"]) / 2 - b["products_ms"]
-    need = "" if allowed >= b["rest_ms"] else (
-        f" A 2x step would need bf16's rest at {max(allowed, 0):.0f} ms instead of {b['rest_ms']:.0f} (fp32's as it is)."
+    need = (
+        ""
+        if allowed >= b["rest_ms"]
+        else (
+            f" A 2x step would need bf16's rest at {max(allowed, 0):.0f} ms instead of {b['rest_ms']:.0f} (fp32's as it is)."
+        )
     )
     return f"With the rest at no cost in both, the step would be {bound:.2f}x.{need}"
 
 
-def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, wall: float) -> str:
-    keys = ("tok_s", "train_s", "train_s_peft", "product_ms", "products_ms", "rest_ms", "peak_gflops")
+def section(
+    results: dict[str, list[dict[str, Any]]],
+    long_steps: dict[tuple[str, str], list[float]],
+    args: argparse.Namespace,
+    wall: float,
+) -> str:
+    keys = (
+        "tok_s",
+        "train_s",
+        "train_s_peft",
+        "product_ms",
+        "products_ms",
+        "rest_ms",
+    )
+    keys += ("peak_gflops",)
     med = {d: {k: statistics.median(r[k] for r in results[d]) for k in keys} for d in DTYPES}
     lines = [
         SECTION_HEADING,
@@ -224,6 +291,9 @@ def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
             + " |"
         )
     pairs = [x for r in results["float32"] for x in r["pair_ratios"]]
+    long = {v: statistics.median(t) for v, t in long_steps.items()}
+    fp32_long, bf16_long = long_steps[LONG_VARIANTS[0]], long_steps[LONG_VARIANTS[1]]
+    long_pairs = [f / b for f, b in zip(fp32_long, bf16_long, strict=True)]  # (taken one after the other)
     speed = med["bfloat16"]["tok_s"] / med["float32"]["tok_s"]
     train = med["float32"]["train_s"] / med["bfloat16"]["train_s"]
     peft = {d: med[d]["train_s_peft"] / med[d]["train_s"] for d in DTYPES}
@@ -244,6 +314,24 @@ def section(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         f"{med['float32']['rest_ms']:.0f} ms, bf16 {med['bfloat16']['rest_ms']:.0f} ms "
         f"({ratio(med, 'rest_ms'):.2f}x). {amdahl(med)}",
         "",
+        f"Agent-length rows, after the rounds: GRPO steps on {args.long_rows} rows of {args.long_prompt} shared "
+        f"prompt tokens + {args.long_tokens} trained tokens (artrl's defaults), {args.long_steps} per variant, the "
+        "variants taking turns, a fresh model per dtype:",
+        "",
+        "| dtype, attention | step s (median) | steps s |",
+        "|---|---:|---|",
+        *(
+            f"| {d}, {'artrl_cpu (as artrl trains)' if a == 'artrl_cpu' else 'sdpa (the flash kernel)'} | "
+            f"{long[(d, a)]:.2f} | " + ", ".join(f"{t:.2f}" for t in long_steps[(d, a)]) + " |"
+            for d, a in LONG_VARIANTS
+        ),
+        "",
+        f"bf16 / fp32 on agent-length rows, as artrl trains: {long[LONG_VARIANTS[0]] / long[LONG_VARIANTS[1]]:.2f}x "
+        f"(per pair of steps: median {statistics.median(long_pairs):.2f}x, "
+        f"{min(long_pairs):.2f}-{max(long_pairs):.2f}x); bf16 with the flash kernel instead: "
+        f"{long[LONG_VARIANTS[0]] / long[LONG_VARIANTS[2]]:.2f}x (artrl's bf16 attention / the flash kernel: "
+        f"{long[LONG_VARIANTS[2]] / long[LONG_VARIANTS[1]]:.2f}x faster). In fp32 artrl trains with the flash kernel.",
+        "",
     ]
     return "\n".join(lines)
 
@@ -254,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument("--long-rows", type=int, default=16)
+    parser.add_argument("--long-prompt", type=int, default=100)
+    parser.add_argument("--long-tokens", type=int, default=900)
+    parser.add_argument("--long-steps", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--model-cache", type=Path, default=HERE / "out" / "models")
     args = parser.parse_args(argv)
@@ -267,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
                 {**measured[dtype], "product_ms": product_ms(dtype), "peak_gflops": peak_gflops(dtype)}
             )
             print(f"round {k + 1} {dtype}: {results[dtype][-1]}", flush=True)
-    return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
+    long_steps = agent_length_steps(folder, args)
+    return publish(
+        section(results, long_steps, args, time.perf_counter() - started), args.out, SECTION_HEADING
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from artrl.local.cpu_attention import NAME, _math, cpu_attention, decode_attention, use_cpu_attention
+from artrl.local.chunked_attention import chunked_attention
+from artrl.local.cpu_attention import NAME, cpu_attention, decode_attention, use_cpu_attention
 from artrl.local.merged_lora import MergedLora
 
 
@@ -81,7 +82,7 @@ def test_training_attention_equals_sdpa_with_its_gradients(padded):
     if padded:  # causal, and the second row's first 3 keys are padding
         mask = torch.ones(12, 12, dtype=torch.bool).tril().expand(2, 1, 12, 12).clone()
         mask[1, :, :, :3] = False
-    ours = _math(query, key, value, mask, 0.3)
+    ours = chunked_attention(query, key, value, mask, 0.3)  # what cpu_attention trains with
     ours.sum().backward()
     grads = [t.grad.clone() for t in (query, key, value)]
     for t in (query, key, value):

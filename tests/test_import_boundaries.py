@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     "artrl.local.kv_cache": 2,
     "artrl.local.prefix_cache": 2,
     "artrl.local.cpu_attention": 2,  # an attention function registered with transformers
+    "artrl.local.chunked_attention": 2,  # the training attention: one autograd function (pure torch)
     "artrl.local.merged_lora": 2,  # inference weights with the LoRA folded in
     "artrl.local.fused_decode": 2,  # the decode step without the module tree
     "artrl.local.scripted_layers": 2,  # its layers as TorchScript functions (pure torch)

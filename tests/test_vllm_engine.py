@@ -321,7 +321,10 @@ vllm_server.VLLMServer.start({str(tiny_model_dir)!r}, "t", Path({str(tmp_path / 
 @pytest.mark.vllm
 @pytest.mark.slow
 async def test_full_finetuning_restarts_vllm_on_the_new_weights(tiny_model_dir, tmp_path):
-    async with artrl.LocalBackend(path=tmp_path, engine="vllm") as backend:
+    # (eager: vLLM's compile cache is keyed by the model folder, so each restart on a new checkpoint would
+    # compile again, ~45 s on two cores; what the test checks is the restart and its weights)
+    eager = artrl.EngineConfig(kind="vllm", vllm=artrl.VLLMConfig(extra_args=("--enforce-eager",)))
+    async with artrl.LocalBackend(path=tmp_path, engine=eager) as backend:
         model = artrl.TrainableModel(name="full", project="f", base_model=str(tiny_model_dir), lora=None)
         await model.register(backend)
         await model.train([await rollouts(model, [1, 0, 1, 0])], config=artrl.TrainConfig(learning_rate=1e-3))

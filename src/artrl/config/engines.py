@@ -195,7 +195,8 @@ class EngineConfig(_Frozen):
     cpu_attention: bool = Field(
         default=True,
         description="on CPU, artrl's attention (local/cpu_attention.py) where torch's flash kernel is slow: "
-        "bf16/fp16 decode steps and training; everything else keeps sdpa (set when the model is loaded)",
+        "bf16/fp16 decode steps and training (local/chunked_attention.py); everything else keeps sdpa (set when the "
+        "model is loaded)",
     )
     merge_lora: Literal["auto", "always", "never"] = Field(
         default="auto",

@@ -6,13 +6,15 @@ flash-attention kernel (what transformers' "sdpa" attention calls) is slow.
   bf16 decode step. Two batched matrix products over the key/value heads (a group's query heads side by
   side, so no key or value is repeated; the keys on the left, read in place) take a fraction. (In fp32 the
   kernel is as fast, or faster for small heads: fp32 decode keeps it.)
-- Training in bf16/fp16 (gradients on): the kernel's backward pass in bf16 took 9 ms per layer on the 27M
-  model's GRPO step (8 x 104 tokens), a fifth of the step. Plain attention (scores, softmax in fp32,
-  weighted values) is quicker while the score matrix is small; above MATH_SCORES_BYTES, sdpa again.
+- Training in bf16/fp16 (gradients on): the kernel runs no faster in bf16 than in fp32 (its backward pass took
+  9 ms per layer on the 27M model's GRPO step, 8 x 104 tokens, a fifth of the step), and plain attention
+  through autograd materialises every score matrix several times (the `small` model's step on 16 rows of
+  1,000 tokens took 22 s in bf16 that way, as long as in fp32). `chunked_attention`: one autograd function
+  over chunks of queries, products at the bf16 rate (that step 11.8 s; the flash kernel's 12.3 s).
 - Prefill with a mask (left-padded rows, cached starts) in grouped-query models: the same kernel as transformers'
   sdpa function, told to share each key/value head among its query heads (that function repeats them into
   copies whenever there is a mask).
-Everything else (prefill without a mask, fp32 training, dropout, attention sinks, soft-capping, position
+Everything else (prefill without a mask, fp32 training (the flash kernel is as fast or faster there), dropout, attention sinks, soft-capping, position
 biases) goes to transformers' own sdpa function unchanged. The mask is built exactly as for sdpa (sliding windows included).
 """
 
@@ -27,10 +29,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from artrl.local.chunked_attention import chunked_attention
+
 log = logging.getLogger(__name__)
 
 NAME = "artrl_cpu"
-MATH_SCORES_BYTES = 256 * 2**20  # largest fp32 score tensor (B, H, q, T) the training path materialises
 _UNSUPPORTED = ("s_aux", "sinks", "softcap", "position_bias")  # left to sdpa
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -46,8 +49,8 @@ def cpu_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """(B, q, H, D) attention output, like transformers' attention functions."""
-    batch, heads, q_length, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+    heads, q_length, dim = query.shape[1:]
+    kv_heads = key.shape[1]
     plain = not (
         dropout
         or heads % kv_heads
@@ -68,9 +71,8 @@ def cpu_attention(
         # lets the kernel share them only without a mask); the kernel's own sharing gives the same numbers
         # without the copies (27M model, 31 x 95 new tokens over 315: 12 instead of 15 ms per layer)
         return grouped_attention(query, key, value, attention_mask, scale).contiguous(), None
-    small = 4 * batch * heads * q_length * length <= MATH_SCORES_BYTES
-    if plain and torch.is_grad_enabled() and query.dtype in _HALF and small:
-        return _math(query, key, value, attention_mask, scale), None
+    if plain and torch.is_grad_enabled() and query.dtype in _HALF and query.device.type == "cpu":
+        return chunked_attention(query, key, value, attention_mask, scale), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
@@ -99,23 +101,6 @@ def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     probs = torch.softmax(scores, dim=-1).to(value.dtype)  # (B, H_kv, G, T)
     out = torch.matmul(probs, value)  # (B, H_kv, G, D)
     return out.reshape(batch, 1, heads, dim)
-
-
-def _math(query, key, value, mask, scale: float) -> torch.Tensor:
-    batch, heads, q_length, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    grouped = (query * scale).reshape(batch, kv_heads, groups * q_length, dim)  # (B, H_kv, G·q, D)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float()  # (B, H_kv, G·q, T)
-    if mask is None:  # causal: query i sees keys up to its own position (the last q of T)
-        mask = torch.ones(q_length, length, dtype=torch.bool, device=query.device).tril(length - q_length)
-    # a finite fill: a row with nothing to attend (padding) gets a uniform mix, never NaN, as in eager attention
-    scores = scores.view(batch, kv_heads, groups, q_length, length).masked_fill(
-        ~mask.reshape(-1, 1, 1, q_length, length), torch.finfo(torch.float32).min
-    )
-    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(batch, kv_heads, groups * q_length, length)
-    out = torch.matmul(probs, value)  # (B, H_kv, G·q, D)
-    return out.view(batch, heads, q_length, dim).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(NAME, cpu_attention)

@@ -1,0 +1,98 @@
+"""The training attention (local/chunked_attention.py): outputs and gradients equal plain attention's (fp64,
+through autograd) for causal and masked attention, grouped heads, one chunk or many, probabilities kept or
+recomputed, in fp32 and bf16; rows that see nothing stay finite and give no gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import artrl.local.chunked_attention as chunked
+from artrl.local.chunked_attention import chunked_attention
+
+
+def _plain(query, key, value, mask, scale):  # (B, H, q, D), (B, H_kv, T, D) x2 -> (B, q, H, D), in fp64
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    q_length, length = query.shape[2], key.shape[2]
+    if mask is None:
+        mask = torch.ones(q_length, length, dtype=torch.bool).tril(length - q_length)[None, None]
+    scores = (query @ key.transpose(-1, -2) * scale).masked_fill(~mask, torch.finfo(query.dtype).min)
+    return (torch.softmax(scores, -1) @ value).transpose(1, 2)
+
+
+def _inputs(batch, heads, kv_heads, q_length, length, dim, masked):
+    g = torch.Generator().manual_seed(batch * 100 + q_length)
+    query = torch.randn(batch, q_length, heads, dim, generator=g).transpose(1, 2)  # (as the models give it)
+    key = torch.randn(batch, kv_heads, length, dim, generator=g)
+    value = torch.randn(batch, kv_heads, length, dim, generator=g)
+    mask = None
+    if masked:  # causal over a prefix; row 0 left-padded (3 keys), its first two queries see nothing
+        mask = torch.ones(q_length, length, dtype=torch.bool).tril(length - q_length)
+        mask = mask[None, None].repeat(batch, 1, 1, 1)
+        mask[0, :, :, :3] = False
+        mask[0, :, :2] = False
+    weights = torch.randn(batch, q_length, heads, dim, generator=g)  # of the outputs, in the loss
+    if masked:  # (as in training: the output of a query that sees nothing, padding, reaches no loss)
+        weights[~mask[:, 0].any(-1)] = 0
+    return query, key, value, mask, weights
+
+
+def _run(fn, tensors, mask, weights, dtype):
+    leaves = [t.detach().to(dtype, copy=True).requires_grad_(True) for t in tensors]
+    out = fn(*leaves, mask, 0.125)
+    (out.double() * weights.double()).sum().backward()
+    return [out.detach().double()] + [t.grad.double() for t in leaves]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("chunk_bytes", [8 * 2**20, 20_000])
+@pytest.mark.parametrize(
+    "shape,masked",
+    [
+        ((2, 4, 2, 7, 7, 32), False),  # causal self-attention, two query heads per key/value head
+        ((2, 4, 2, 5, 12, 32), True),  # new tokens over a prefix, with padding
+        ((3, 8, 4, 33, 50, 64), True),
+        ((3, 8, 8, 33, 50, 64), False),  # one query head per key/value head, causal over a prefix
+        ((3, 6, 2, 40, 40, 16), True),
+    ],
+)
+def test_equals_plain_attention_with_its_gradients(
+    monkeypatch, dtype, tolerance, keep, chunk_bytes, shape, masked
+):
+    monkeypatch.setattr(chunked, "KEEP_PROBS_BYTES", 64 * 2**20 if keep else 0)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", chunk_bytes)  # 20 kB: chunks of a few queries
+    query, key, value, mask, weights = _inputs(*shape, masked)
+    ours = _run(chunked_attention, (query, key, value), mask, weights, dtype)
+    reference = _run(_plain, (query, key, value), mask, weights, torch.float64)
+    if masked:  # the blind queries: a uniform mix in both (over other keys), left out of the comparison
+        blind = ~mask[:, 0].any(-1)  # (B, q)
+        ours[0][blind] = reference[0][blind] = 0
+    for name, mine, theirs in zip(("out", "query", "key", "value"), ours, reference, strict=True):
+        error = float((mine - theirs).abs().max() / theirs.abs().max())
+        assert error < tolerance, (name, error)
+    assert ours[0].dtype == torch.float64 and ours[0].shape == (shape[0], shape[3], shape[1], shape[5])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_rows_that_see_nothing_get_a_uniform_mix_and_give_no_gradient(monkeypatch, keep):
+    monkeypatch.setattr(chunked, "KEEP_PROBS_BYTES", 64 * 2**20 if keep else 0)
+    query, key, value, mask, _ = _inputs(2, 4, 2, 5, 12, 32, masked=True)
+    query.requires_grad_(True)
+    out = chunked_attention(query, key, value, mask, 0.125)
+    assert torch.isfinite(out).all()
+    mix = value[0].repeat_interleave(2, 0).mean(1)  # (H, D): over the keys of its chunk (one chunk: all)
+    assert torch.allclose(out[0, :2], mix.expand(2, -1, -1), atol=1e-5)
+    out[0, :2].sum().backward()  # only the blind queries' outputs
+    assert torch.equal(query.grad, torch.zeros_like(query.grad))
+
+
+def test_causal_chunks_read_only_the_keys_their_queries_see():
+    """With chunks of one query, query i of a causal attention over a prefix needs T - q + i + 1 keys: the
+    keys after that have no effect on its output and get no gradient from it."""
+    query, key, value, _, _ = _inputs(1, 2, 1, 6, 10, 16, masked=False)
+    key.requires_grad_(True)
+    out = chunked_attention(query, key, value, None, 0.25)
+    out[0, 0].sum().backward()  # query 0 sees keys 0..4
+    assert key.grad[0, 0, 5:].abs().max() == 0 and key.grad[0, 0, :5].abs().max() > 0
