@@ -96,3 +96,17 @@ def test_causal_chunks_read_only_the_keys_their_queries_see():
     out = chunked_attention(query, key, value, None, 0.25)
     out[0, 0].sum().backward()  # query 0 sees keys 0..4
     assert key.grad[0, 0, 5:].abs().max() == 0 and key.grad[0, 0, :5].abs().max() > 0
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 9, 14), (3, 1, 1, 14)])
+def test_masks_that_broadcast_over_rows_or_queries(monkeypatch, mask_shape):
+    """A mask shared by the batch's rows (1, 1, q, T), or one per row shared by its queries (B, 1, 1, T)."""
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 5_000)  # (chunks of a few queries)
+    query, key, value, _, weights = _inputs(3, 4, 2, 9, 14, 16, masked=False)
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(mask_shape, generator=g) > 0.3
+    mask[..., 0] = True  # (every query sees something)
+    ours = _run(chunked_attention, (query, key, value), mask, weights, torch.float32)
+    reference = _run(_plain, (query, key, value), mask, weights, torch.float64)
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert float((mine - theirs).abs().max() / theirs.abs().max()) < 2e-5

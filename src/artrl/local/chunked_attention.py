@@ -53,34 +53,35 @@ def _chunks(batch: int, heads: int, q_length: int, length: int) -> list[tuple[in
 
 class _Visibility:
     """Which keys the queries see, in the forms the chunks use: per query the number of leading keys it needs,
-    an additive fp32 mask (0 where attended, the fp32 minimum elsewhere: one promoting sum turns a chunk's bf16
-    scores into masked fp32 ones), and the rows that see nothing."""
+    per chunk an additive fp32 mask (0 where attended, the fp32 minimum elsewhere: one promoting sum turns the
+    chunk's bf16 scores into masked fp32 ones), and the rows that see nothing."""
 
-    def __init__(self, mask: torch.Tensor | None, batch: int, q_length: int, length: int) -> None:
+    def __init__(self, mask: torch.Tensor | None, q_length: int, length: int) -> None:
         self.q_length, self.length = q_length, length
+        self.seen = self.blind = None
         if mask is None:  # causal: query i sees keys up to length - q_length + i
             self.needed = torch.arange(length - q_length + 1, length + 1)  # (q,)
-            self.bias = self.blind = None
-        else:
-            seen = mask[:, 0]  # (B, q, T)
-            positions = torch.arange(1, length + 1)
-            self.needed = torch.where(seen.any(0), positions, 0).amax(-1)  # (q,)
-            self.bias = torch.zeros(batch, 1, q_length, 1, length).masked_fill_(~seen[:, None, :, None], _MIN)
-            blind = ~seen.any(-1)  # (B, q)
-            self.blind = blind[:, None, :, None, None] if bool(blind.any()) else None
+            return
+        self.seen = mask[:, 0].expand(mask.shape[0], q_length, length)  # (B, q, T) (a view)
+        positions = torch.arange(1, length + 1)
+        self.needed = torch.where(self.seen.any(0), positions, 0).amax(-1)  # (q,)
+        blind = ~self.seen.any(-1)  # (B, q)
+        self.blind = blind[:, None, :, None, None] if bool(blind.any()) else None
 
     def chunk(self, start: int, end: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """(k keys, additive mask (B or 1, 1, c, 1, k) or None, blind rows (B, 1, c, 1, 1) or None)."""
         keys = max(1, int(self.needed[start:end].max()))
-        if self.bias is not None:
+        if self.seen is not None:
+            hidden = ~self.seen[:, start:end, :keys]  # (B, c, k)
             blind = None if self.blind is None else self.blind[:, :, start:end]
-            return keys, self.bias[:, :, start:end, :, :keys], blind
-        offset = self.length - self.q_length + start
-        hidden = torch.ones(end - start, keys, dtype=torch.bool).triu(offset + 1)  # (c, k) True = not seen
-        if not bool(hidden.any()):
-            return keys, None, None
-        bias = torch.zeros(end - start, keys).masked_fill_(hidden, _MIN)
-        return keys, bias[None, None, :, None, :], None
+        else:
+            offset = self.length - self.q_length + start
+            hidden = torch.ones(1, end - start, keys, dtype=torch.bool).triu(offset + 1)  # (1, c, k)
+            blind = None
+            if not bool(hidden.any()):
+                return keys, None, None
+        bias = torch.zeros(hidden.shape, dtype=torch.float32).masked_fill_(hidden, _MIN)
+        return keys, bias[:, None, :, None, :], blind
 
 
 def _scores(qs, key_t, bias, shape: tuple[int, ...]) -> torch.Tensor:
@@ -107,7 +108,7 @@ class _ChunkedAttention(torch.autograd.Function):
         key_t = key3.transpose(1, 2).contiguous()  # (B·H_kv, D, T): its leading columns are read in place
         value3 = value.reshape(batch * kv_heads, length, dim)
         out = torch.empty(batch * kv_heads, q_length * groups, dim, dtype=query.dtype)
-        visibility = _Visibility(mask, batch, q_length, length)
+        visibility = _Visibility(mask, q_length, length)
         keep = 2 * batch * heads * q_length * length <= KEEP_PROBS_BYTES
         kept: list[torch.Tensor] = []
         # without P: each row's largest score and log-sum of exponentials after it (kept apart, so that a row
