@@ -110,3 +110,48 @@ def test_masks_that_broadcast_over_rows_or_queries(monkeypatch, mask_shape):
     reference = _run(_plain, (query, key, value), mask, weights, torch.float64)
     for mine, theirs in zip(ours, reference, strict=True):
         assert float((mine - theirs).abs().max() / theirs.abs().max()) < 2e-5
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama", "mistral_sliding", "gemma3"])
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_bf16_training_in_each_architecture_equals_sdpa(architecture, left_padded):
+    """A bf16 model switched to artrl's attention (`use_cpu_attention`) trains through `chunked_attention`:
+    its log-probabilities and gradients equal the same model's with transformers' sdpa, causal (no mask) and
+    with a left-padded mask, sliding windows (Mistral) and a query-pre-attention scale (Gemma 3) included."""
+    import transformers as tf
+
+    from artrl.local.cpu_attention import NAME, use_cpu_attention
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    config, cls = {
+        "qwen3": (tf.Qwen3Config(**shape), tf.Qwen3ForCausalLM),
+        "llama": (tf.LlamaConfig(**shape), tf.LlamaForCausalLM),
+        "mistral_sliding": (tf.MistralConfig(**shape, sliding_window=8), tf.MistralForCausalLM),
+        "gemma3": (
+            tf.Gemma3TextConfig(**shape, sliding_window=8, query_pre_attn_scalar=24),
+            tf.Gemma3ForCausalLM,
+        ),
+    }[architecture]
+    torch.manual_seed(0)
+    model = cls(config).to(torch.bfloat16).train()
+    ids = torch.randint(5, 300, (3, 40))
+    attention = torch.ones_like(ids)
+    if left_padded:
+        attention[1, :7] = 0
+        attention[2, :15] = 0
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        # (positions whose query is padding see nothing: their outputs are no one's to compare)
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * attention[:, :-1]
+        lp.sum().backward()
+        return lp.detach(), [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+
+    reference, reference_grads = run()
+    assert use_cpu_attention(model) and model.config._attn_implementation == NAME
+    ours, grads = run()
+    assert (ours - reference).abs().max() < 0.1
+    for mine, theirs in zip(grads, reference_grads, strict=True):
+        assert float((mine - theirs).abs().max()) <= 0.05 * float(theirs.abs().max()) + 1e-3

@@ -113,9 +113,8 @@ class _ChunkedAttention(torch.autograd.Function):
         kept: list[torch.Tensor] = []
         # without P: each row's largest score and log-sum of exponentials after it (kept apart, so that a row
         # that sees nothing, all scores the fp32 minimum, is a uniform mix again)
-        top = log_total = None if keep else torch.empty(batch * kv_heads, q_length * groups, 1)
-        if not keep:
-            log_total = torch.empty_like(top)
+        top = None if keep else torch.empty(batch * kv_heads, q_length * groups, 1)
+        log_total = None if keep else torch.empty_like(top)
         for start, end in _chunks(batch, heads, q_length, length):
             keys, bias, _ = visibility.chunk(start, end)
             rows = slice(start * groups, end * groups)
