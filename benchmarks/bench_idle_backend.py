@@ -2,7 +2,8 @@
 x 3 chat calls, `small` preset, bf16, through `model.openai_client()`) measured in one process run in three
 phases: alone; next to a second LocalBackend that has served 32 requests and sits idle with its engine thread
 kept alive (`engine_thread_idle_s` set very long: the engine before that setting); the same with the default
-setting (the idle thread ends, its OpenMP team with it); and after the second is closed.
+setting (the idle thread ends, its OpenMP team with it); after the second is closed; after torch work of the
+user's own (large products) on a thread that then ended; and after the same on the main thread.
 
     .venv/bin/python benchmarks/bench_idle_backend.py [--runs 3] [--out benchmarks/RESULTS.md]
 """
@@ -15,6 +16,7 @@ import os
 import statistics
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -24,6 +26,8 @@ import harness
 
 SECTION_HEADING = "## A second, idle embedded engine in the process (bench_idle_backend.py)"
 KEPT = "second served 32 requests, idle, its engine thread kept (as before `engine_thread_idle_s`)"
+OWN_THREAD = "after the user's torch products on a thread that then ended"
+MAIN_THREAD = "after the user's torch products on the main thread (its OpenMP team stays)"
 ENDED = "second served 32 requests, idle, its engine thread ended after `engine_thread_idle_s` (default 2 s)"
 
 
@@ -66,7 +70,23 @@ async def phases(runs: int) -> dict[str, list[float]]:
             await measure(ENDED)
             await other.close()
             await measure("second closed")
+            # torch work of the user's own in the same process: on a thread that ends, then on the main
+            # thread (last: the main thread keeps its OpenMP team for the rest of the process)
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(products).result()
+            await measure(OWN_THREAD)
+            products()
+            await measure(MAIN_THREAD)
     return out
+
+
+def products() -> None:
+    """Some torch work of a user's own: 2048^3 products in fp32, as a reward model's or judge's would be."""
+    import torch
+
+    a = torch.randn(2048, 2048)
+    for _ in range(3):
+        a @ a
 
 
 def main() -> int:
@@ -97,7 +117,9 @@ def main() -> int:
         "with more libgomp threads than CPUs every team's spin-waiting is throttled, so each small parallel region of",
         "the busy engine's decode step waits for a futex wake-up (`OMP_WAIT_POLICY=ACTIVE` makes it worse: 392-422",
         "tok/s). The fix (`EngineConfig.engine_thread_idle_s`, default 2 s): an engine thread with nothing to do ends,",
-        "and the next request or training step starts a new one.",
+        "and the next request or training step starts a new one. The same holds for a user's own torch work in the",
+        "process: on the main thread (or any thread that lives on: `asyncio.to_thread`'s) it leaves a team for good;",
+        'on a thread that ends, nothing stays (docs/engines.md, "Your own torch work in the same process").',
         "",
     ]
     return harness.publish("\n".join(lines), args.out, SECTION_HEADING)

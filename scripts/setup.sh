@@ -15,9 +15,12 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "installing $TORCH_SPEC ..."
-  .venv/bin/python -m pip install -q "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -m pip install -q --no-compile "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' || true
 fi
 echo "installing artrl and its dependencies ..."
-.venv/bin/python -m pip install -q -e ".[local,dev,examples,mcp,trackers]" 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -q --no-compile -e ".[local,dev,examples,mcp,trackers]" 2>&1 | grep -v '^WARNING: Location' || true
+# bytecode compiled on every core (pip compiles one file at a time: ~45 s more here); without it, a machine
+# with PYTHONDONTWRITEBYTECODE set would compile torch's modules again at every import
+.venv/bin/python -m compileall -qq -j 0 .venv/lib >/dev/null 2>&1 || true  # (a few packages ship files that do not compile)
 .venv/bin/python -c "import torch, transformers, fastapi, mcp, artrl" # fail loudly if anything is missing
 echo "$want" > "$stamp"
