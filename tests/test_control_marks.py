@@ -125,6 +125,6 @@ def test_rendering_and_encoding_equal_the_marked_path(tokenizer, start):
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from artrl.local.chat_format.chat_format import template_messages
+    from artrl.local.chat_format.template_inputs import template_messages
 
     return template_messages(messages)

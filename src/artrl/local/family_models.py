@@ -245,7 +245,7 @@ def _corpus_text(template: str, spec: FamilySpec, conv: dict[str, Any]) -> str:
     """A conversation rendered with the family's template before its tokenizer exists (tokenizer corpus)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from artrl.local.chat_format.chat_format import template_messages
+    from artrl.local.chat_format.template_inputs import template_messages
 
     rendered, _ = render_jinja_template(
         conversations=[template_messages(conv["messages"])],
