@@ -25,13 +25,20 @@ import asyncio
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, alternating, command_line, dated_machine_line, ensure_model, publish
+from harness import (
+    HERE,
+    alternating,
+    command_line,
+    dated_machine_line,
+    ensure_model,
+    on_own_thread,
+    publish,
+)
 
 SECTION_HEADING = "## bf16 vs fp32 (bench_bf16.py)"
 DTYPES = ("float32", "bfloat16")
@@ -197,14 +204,6 @@ def profiled_step(trainer: Any, rows: list[Any]) -> tuple[float, float]:
     products = sum(e.self_cpu_time_total for e in events if e.key in PRODUCTS) / 1000
     total = sum(e.self_cpu_time_total for e in events) / 1000
     return products, total - products
-
-
-def on_own_thread(fn: Any) -> Any:
-    """fn's result, run on a thread that ends with it. torch work on the main thread would leave that thread
-    an OpenMP team for good, and with more libgomp threads than cores every team's spin-waiting is throttled:
-    the engine threads of the rounds after it ran ~45-60% slower (decode and training, both dtypes)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn).result()
 
 
 def peak_gflops(dtype: str, n: int = 2048) -> float:

@@ -16,7 +16,6 @@ import os
 import statistics
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,8 +71,7 @@ async def phases(runs: int) -> dict[str, list[float]]:
             await measure("second closed")
             # torch work of the user's own in the same process: on a thread that ends, then on the main
             # thread (last: the main thread keeps its OpenMP team for the rest of the process)
-            with ThreadPoolExecutor(1) as pool:
-                pool.submit(products).result()
+            harness.on_own_thread(products)
             await measure(OWN_THREAD)
             products()
             await measure(MAIN_THREAD)

@@ -12,6 +12,7 @@ import resource
 import shlex
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,14 @@ def ensure_model(preset: str, cache: Path) -> Path:
     build_tiny_model(folder, preset)
     print(f"[{preset}] built in {time.perf_counter() - started:.1f} s", flush=True)
     return folder
+
+
+def on_own_thread(fn: Any) -> Any:
+    """fn's result, run on a thread that ends with it. torch work on the main thread leaves that thread an
+    OpenMP team for good, and with more libgomp threads than cores every team's spin-waiting is throttled:
+    engine threads measured after it run slower (bench_bf16's later rounds ~45-60%; bench_idle_backend.py)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
 
 
 def alternating(options: tuple, round_index: int) -> tuple:

@@ -15,7 +15,8 @@ flash-attention kernel (what transformers' "sdpa" attention calls) is slow.
   sdpa function, told to share each key/value head among its query heads (that function repeats them into
   copies whenever there is a mask).
 Everything else (prefill without a mask, fp32 training (the flash kernel is as fast or faster there), dropout,
-attention sinks, soft-capping, position biases) goes to transformers' own sdpa function unchanged. The mask is built exactly as for sdpa (sliding windows included).
+attention sinks, soft-capping, position biases) goes to transformers' own sdpa function unchanged. The mask is
+built exactly as for sdpa (sliding windows included).
 """
 
 from __future__ import annotations
