@@ -88,6 +88,7 @@ def run_setting(index: int, setting: Setting, args: argparse.Namespace) -> dict[
             return {"setting": setting.name, "error": f"timed out after {SETTING_TIMEOUT_S} s"}
         sys.stdout.write(done.stdout)
         if done.returncode != 0 or not out.exists():
+            sys.stderr.write(done.stderr[-4000:])  # (the table keeps the last line: the log keeps the trace)
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
             last = lines[-1] if lines else f"exit code {done.returncode}"
             return {"setting": setting.name, "error": f"failed: {last[-300:]}"}
@@ -194,12 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     for k in args.picked:
         log(f"setting {k}: {SETTINGS[k - 1].name}")
         results.append(run_setting(k, SETTINGS[k - 1], args))
+        # each setting's row and the JSON so far at once: a command cut off by its time limit keeps them
+        log("row: " + table(results[-1:], device_name, peak_source, args).splitlines()[-1])
+        if args.json_out:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
     print()
     print(table(results, device_name, peak_source, args))
     print(f"\nwall time {time.perf_counter() - started:.0f} s")
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
         print(f"wrote {args.json_out}")
     return 0
 

@@ -174,6 +174,18 @@ def test_device_map_reaches_from_pretrained_and_a_split_model_needs_vllm(tiny_mo
     check_placement(model, EngineConfig(kind="vllm"))  # the trainer's copy may span GPUs
 
 
+def test_models_load_without_the_hubs_kernels(tiny_model_dir):
+    """transformers swaps in the `kernels` package's layers by default where it can (on CUDA it refused to load
+    without that package: every GPU-check setting failed so on an H200); artrl runs the model's own layers."""
+    import torch
+
+    from artrl.local.loading import model_options
+
+    assert model_options(EngineConfig(), torch.device("cuda"), torch.bfloat16)["use_kernels"] is False
+    model, _ = load_model_and_tokenizer(str(tiny_model_dir), EngineConfig())
+    assert model.use_kernels is False
+
+
 async def test_device_map_with_trainer_ranks_is_refused(tiny_model_dir, tmp_path):
     backend = artrl.LocalBackend(
         path=tmp_path,

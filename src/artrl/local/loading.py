@@ -77,6 +77,10 @@ def model_options(config: EngineConfig, device: torch.device, dtype: torch.dtype
     machine cannot honour, saying what would)."""
     load = config.load
     options: dict[str, Any] = tokenizer_options(load)
+    # transformers (>= 5.24) swaps layers for the hub's `kernels` package by default on CUDA, and refuses to
+    # load when that package is missing: artrl runs the model's own layers (and its own fused ones), which
+    # its logprob parity is tested against, and a hub kernel would need a download besides
+    options["use_kernels"] = False
     if load.attn_implementation is not None:
         options["attn_implementation"] = load.attn_implementation
     if load.quantization == "4bit":
