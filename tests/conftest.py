@@ -1,10 +1,29 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+# scripts/test.sh runs the suite in pytest-xdist workers, one per core. Each worker, and every process it
+# starts (the service's child, vLLM servers, trainer ranks), then takes its share of the cores for torch's
+# OpenMP team: teams that outnumber the cores spin-wait against each other. (Set before torch is imported.)
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
+
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this session sees (without xdist: this session's own), for what
+    the workers build once and share (FileLock around each thing built in it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base  # (xdist: <base>/popen-gwN)
+    folder = root / "shared" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +45,19 @@ ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory):
-    """family name -> the folder of its tiny fixture model (artrl.local.family_models), built on first use."""
+    """family name -> the folder of its tiny fixture model (artrl.local.family_models), built on first use,
+    once for all workers (30-70 s each)."""
     from artrl.local.family_models import build_family_model
 
-    built: dict[str, Path] = {}
+    shared = shared_folder(tmp_path_factory, "family")
 
     def get(family: str) -> Path:
-        if family not in built:
-            built[family] = build_family_model(tmp_path_factory.mktemp("family") / family, family)
-        return built[family]
+        folder = shared / family
+        with FileLock(str(shared / f"{family}.lock")):
+            if not folder.exists():  # built aside, then renamed: a folder there is complete
+                shutil.rmtree(shared / f"{family}.tmp", ignore_errors=True)
+                build_family_model(shared / f"{family}.tmp", family).rename(folder)
+        return folder
 
     return get
 
@@ -46,17 +69,32 @@ def demo_models(tmp_path_factory: pytest.TempPathFactory):
     PATH/models, keyed by everything that determines them but PATH; the session's runs of one `kind` (the
     same warm-start settings) share them: the first run builds them, later runs start from a copy and find
     them there, as a rerun of the demo on the same --path does. (A failed run leaves nothing to share.)"""
-    shared = tmp_path_factory.mktemp("demo-models")
+    shared = shared_folder(tmp_path_factory, "demo-models")
 
     @contextlib.contextmanager
     def use(path: Path, kind: str):
         kept, models = shared / kind, path / "models"
-        if kept.exists():
-            shutil.copytree(kept, models)
-        yield
-        for folder in models.iterdir() if models.exists() else ():
-            if folder.is_dir() and not folder.name.endswith(".tmp") and not (kept / folder.name).exists():
-                shutil.copytree(folder, kept / folder.name)
+        lock = FileLock(str(shared / f"{kind}.lock"))  # (re-entrant: acquired again while held, it counts)
+        lock.acquire()
+        first = not kept.exists()
+        try:
+            if not first:  # copy, and let the next worker's run copy too
+                shutil.copytree(kept, models)
+                lock.release()
+            # else the lock stays held while this run builds them: another worker's run of this kind waits
+            # for them rather than building them again
+            yield
+            with lock:
+                for folder in models.iterdir() if models.exists() else ():
+                    if (
+                        folder.is_dir()
+                        and not folder.name.endswith(".tmp")
+                        and not (kept / folder.name).exists()
+                    ):
+                        shutil.copytree(folder, kept / folder.name)
+        finally:
+            if first:
+                lock.release()
 
     return use
 

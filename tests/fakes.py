@@ -7,6 +7,7 @@ tokens is scripted, so tests can make a model "call a tool" deterministically.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 
 from artrl.local.engine import SequenceStream
@@ -46,23 +47,46 @@ class ScriptedEngine:
 @dataclass
 class SlowEngine:
     """Streams token `token` every `interval` seconds until max_tokens or until the consumer aborts; records
-    each stream so tests can see whether (and when) the gateway stopped generating."""
+    each stream so tests can see whether (and when) the gateway stopped generating. `held`: each stream, after
+    its tokens, stays open until `release()` (a request in flight for as long as a test needs it)."""
 
     token: int = 5
     interval: float = 0.05
     max_context: int = 2048
+    held: bool = False
     streams: list[SequenceStream] = field(default_factory=list)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    # `generate` runs on the gateway's own thread and loop, not the test's: thread-safe signals
+    _made: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
+    _released: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
         loop = asyncio.get_running_loop()
         out = []
         for _ in range(n):
             stream = SequenceStream(loop)
-            self.streams.append(stream)
+            with self._made:
+                self.streams.append(stream)
+                self._made.notify_all()
             self.tasks.append(asyncio.create_task(self._drip(stream, params.max_tokens)))
             out.append(stream)
         return out
+
+    async def started(self, n: int = 1, within_s: float = 30.0) -> list[SequenceStream]:
+        """The streams, once `generate` has made at least `n`. A client's answer or timeout says nothing about
+        that: the gateway renders the prompt in an executor before it calls `generate` (and, for a client
+        that left meanwhile, still calls it, then aborts at its next disconnect poll)."""
+
+        def wait() -> bool:
+            with self._made:
+                return self._made.wait_for(lambda: len(self.streams) >= n, within_s)
+
+        assert await asyncio.to_thread(wait), f"{len(self.streams)} of {n} streams within {within_s} s"
+        return list(self.streams)
+
+    def release(self) -> None:
+        """Held streams end (and later ones are not held)."""
+        self._released.set()
 
     async def _drip(self, stream: SequenceStream, max_tokens: int) -> None:
         for _ in range(max_tokens):
@@ -71,6 +95,11 @@ class SlowEngine:
                 return
             stream.push(TokenChoice(self.token, -0.5))
             await asyncio.sleep(self.interval)
+        while self.held and not self._released.is_set():  # (polled: release() comes from another thread)
+            if stream.aborted:
+                stream.end("abort")
+                return
+            await asyncio.sleep(self.interval)
         stream.end("length")
 
     async def close(self) -> None:
@@ -78,8 +107,9 @@ class SlowEngine:
             task.cancel()
 
 
-async def aborted(stream: SequenceStream, within_s: float = 2.0) -> bool:
-    """Whether the gateway aborted `stream` within `within_s` (polled)."""
+async def aborted(stream: SequenceStream, within_s: float = 30.0) -> bool:
+    """Whether the gateway aborted `stream` within `within_s` (polled, so a prompt abort returns at once; the
+    bound is generous because the gateway polls for a disconnect only every 0.25 s, on a possibly busy core)."""
     for _ in range(int(within_s / 0.05)):
         if stream.aborted:
             break

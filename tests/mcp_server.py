@@ -1,4 +1,5 @@
-"""A small MCP server for tests/test_mcp_tools.py: stdio by default, streamable HTTP with ``--http PORT``."""
+"""A small MCP server for tests/test_mcp_tools.py: stdio by default, streamable HTTP with ``--http PORT_FILE``
+(on a free port of 127.0.0.1, written to PORT_FILE once it listens)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,31 @@ def crash() -> str:
     os._exit(1)
 
 
+def serve_http(port_file: str) -> None:
+    import socket
+
+    import uvicorn
+
+    # the kernel picks the port as this process binds it: a port picked by the test and bound later could be
+    # taken meanwhile by another process
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()  # from here connections queue until uvicorn accepts them: the port is usable once written
+    written = f"{port_file}.tmp"
+    with open(written, "w") as file:
+        file.write(str(sock.getsockname()[1]))
+    os.replace(written, port_file)  # (whole: the test never reads half a number)
+    config = uvicorn.Config(server.streamable_http_app(), log_level=server.settings.log_level.lower())
+    uvicorn.Server(config).run(sockets=[sock])
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT")
-    port = parser.parse_args().http
-    if port is None:
+    parser.add_argument(
+        "--http", metavar="PORT_FILE", help="serve streamable HTTP; write its port to PORT_FILE"
+    )
+    port_file = parser.parse_args().http
+    if port_file is None:
         server.run()
     else:
-        server.run("streamable-http", host="127.0.0.1", port=port)
+        serve_http(port_file)

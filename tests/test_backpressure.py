@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from fakes import aborted
+from fakes import SlowEngine, aborted
 
 from artrl.config import EngineConfig, GatewayConfig
 from artrl.local.engine_hf import HFEngine
@@ -18,12 +18,10 @@ BODY = {"model": "slow", "messages": [{"role": "user", "content": "x"}], "max_to
 
 @pytest.fixture
 def slow(tokenizer):
-    from fakes import SlowEngine
-
     from artrl.local.service import LocalService
 
-    def serve(**gateway):
-        engine = SlowEngine()
+    def serve(engine: SlowEngine | None = None, **gateway):
+        engine = engine or SlowEngine()
         service = LocalService.serve(
             "slow", None, tokenizer, engine, EngineConfig(), GatewayConfig(**gateway)
         )
@@ -43,7 +41,7 @@ async def test_a_client_that_gives_up_stops_its_generation(slow):
     async with httpx.AsyncClient(timeout=0.5) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post(f"{base_url}/chat/completions", json=BODY)
-    (stream,) = engine.streams
+    (stream,) = await engine.started()
     assert await aborted(stream)  # after ~0.5 s of a 100 s generation
 
 
@@ -56,21 +54,26 @@ async def test_a_stream_whose_client_leaves_stops_too(slow):
     ):
         async for _ in r.aiter_lines():
             break  # the first chunk, then leave
-    (stream,) = engine.streams
+    (stream,) = await engine.started()
     assert await aborted(stream)
 
 
 async def test_requests_beyond_the_in_flight_limit_get_a_429(slow):
-    engine, base_url = slow(max_inflight_requests=2)
-    async with httpx.AsyncClient(timeout=10) as client:
-        held = [
-            asyncio.create_task(client.post(f"{base_url}/chat/completions", json={**BODY, "max_tokens": 20}))
-            for _ in range(2)
-        ]
-        while len(engine.streams) < 2:
-            await asyncio.sleep(0.01)
-        refused = await client.post(f"{base_url}/chat/completions", json=BODY)
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_requests"
+    # (the two held requests stay in flight until released, however slowly the third one gets through)
+    engine, base_url = slow(SlowEngine(held=True), max_inflight_requests=2)
+    async with httpx.AsyncClient(timeout=30) as client:
+        try:
+            held = [
+                asyncio.create_task(
+                    client.post(f"{base_url}/chat/completions", json={**BODY, "max_tokens": 2})
+                )
+                for _ in range(2)
+            ]
+            await engine.started(2)  # both generating
+            refused = await client.post(f"{base_url}/chat/completions", json=BODY)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_requests"
+        finally:
+            engine.release()
         assert all(r.status_code == 200 for r in await asyncio.gather(*held))
         assert (
             await client.post(f"{base_url}/chat/completions", json={**BODY, "max_tokens": 2})

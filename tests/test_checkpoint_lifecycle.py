@@ -190,20 +190,3 @@ async def test_a_request_pins_the_served_step(fresh_model):
             await client.chat.completions.create(model=stale, **ask)
         assert caught.value.status_code == 404 and says in caught.value.message
     await client.close()
-
-
-@pytest.mark.vllm
-async def test_the_vllm_engine_serves_the_published_step(tiny_model_dir, tmp_path):
-    """The served step moves once vLLM has loaded the step's adapter (`name@step` on vLLM's side too)."""
-    model = artrl.TrainableModel(name="v", project="life", base_model=str(tiny_model_dir))
-    async with artrl.LocalBackend(path=tmp_path, engine="vllm") as backend:
-        await model.register(backend)
-        assert await served_ids(model) == ["v", "v@0"]
-        await model.train([await rollouts(model, [1, 0], max_tokens=6)], config=LR)
-        assert await served_ids(model) == ["v", "v@1"]
-        assert backend.service(model).engine.target == "v@1"
-        client = model.openai_client(max_retries=0)
-        ask = {"messages": PROMPT, "max_tokens": 4, "temperature": 0.0}
-        assert (await client.chat.completions.create(model="v@1", **ask)).choices[0].token_ids
-        with pytest.raises(openai.NotFoundError, match="serves step 1"):
-            await client.chat.completions.create(model="v@0", **ask)

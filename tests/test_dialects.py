@@ -47,6 +47,30 @@ async def served(request, family_dirs, tmp_path_factory):
     await backend.close()
 
 
+@pytest.fixture
+async def trainee(served, request, tmp_path):
+    """`served`'s twin on a backend of its own, for the tests that train: the others assert what the untrained
+    weights do (a tool call at temperature 0), so `served` must stay untrained whatever order tests run in."""
+    backend = artrl.LocalBackend(path=tmp_path, engine=engine_beside(served))
+    # its own name: on vLLM its adapters load into `served`'s server as `{name}@{step}`, one per test
+    name = f"{served.name}-{request.node.originalname}"
+    model = artrl.TrainableModel(name=name, project="dialects", base_model=served.base_model)
+    await model.register(backend)
+    yield model
+    await backend.close()
+
+
+def engine_beside(model: artrl.TrainableModel) -> artrl.EngineConfig:
+    """The engine of `model`'s backend; on vLLM, the server it started (another would start for ~40 s): the
+    requests of `model` ask that server for the base weights, whatever adapters others load into it."""
+    backend = model._backend
+    if backend.engine_config.kind != "vllm":
+        return backend.engine_config
+    server = backend.service(model).engine.server
+    vllm = artrl.VLLMConfig(url=server.base_url, api_key=server.api_key)
+    return artrl.EngineConfig(kind="vllm", vllm=vllm)
+
+
 def assert_continues(trajectory: artrl.Trajectory) -> None:
     choices = trajectory.choices()
     assert len(choices) >= 3 and all(c.prompt_source == "continuation" for c in choices[1:])
@@ -86,14 +110,14 @@ async def responses_rollout(model, seed: int) -> artrl.Trajectory:
     return capture.trajectory
 
 
-async def test_responses_tool_turns_continue_and_train(served):
-    trajectories = await asyncio.gather(*(responses_rollout(served, seed) for seed in range(4)))
+async def test_responses_tool_turns_continue_and_train(trainee):
+    trajectories = await asyncio.gather(*(responses_rollout(trainee, seed) for seed in range(4)))
     longest = max(trajectories, key=lambda t: len(t.choices()))
     assert_continues(longest)
     assert all((c.message.model_extra or {}).get("reasoning_content") for c in longest.choices())
     for i, t in enumerate(trajectories):
         t.reward = float(i % 2)
-    result = await served.train([artrl.TrajectoryGroup(trajectories)], artrl.TrainConfig(learning_rate=1e-3))
+    result = await trainee.train([artrl.TrajectoryGroup(trajectories)], artrl.TrainConfig(learning_rate=1e-3))
     assert result.metrics["optimizer_steps"] == 1 and result.metrics["rows"] >= 4
 
 
@@ -186,13 +210,13 @@ async def messages_rollout(model, seed: int, turns: int = 3) -> artrl.Trajectory
     return capture.trajectory
 
 
-async def test_messages_tool_turns_continue_and_train(served):
-    trajectories = await asyncio.gather(*(messages_rollout(served, seed) for seed in range(4)))
+async def test_messages_tool_turns_continue_and_train(trainee):
+    trajectories = await asyncio.gather(*(messages_rollout(trainee, seed) for seed in range(4)))
     longest = max(trajectories, key=lambda t: len(t.choices()))
     assert_continues(longest)
     for i, t in enumerate(trajectories):
         t.reward = float(i % 2)
-    result = await served.train([artrl.TrajectoryGroup(trajectories)], artrl.TrainConfig(learning_rate=1e-3))
+    result = await trainee.train([artrl.TrajectoryGroup(trajectories)], artrl.TrainConfig(learning_rate=1e-3))
     assert result.metrics["optimizer_steps"] == 1
 
 

@@ -99,7 +99,8 @@ async def test_a_stream_that_gets_nothing_fails_instead_of_hanging():
     with pytest.raises(EngineError, match=r"sent nothing for 0\.2 s"):
         async for _ in stream:
             pass
-    assert asyncio.get_running_loop().time() - started < 2 and stream.aborted
+    # (a guard, not a speed test: a stream that hung would wait for the 1800 s default or forever)
+    assert asyncio.get_running_loop().time() - started < 30 and stream.aborted
 
 
 async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_model):

@@ -41,6 +41,26 @@ async def served_family(request, family_dirs, tmp_path_factory):
     await backend.close()
 
 
+@pytest.fixture
+async def trainee_family(served_family, request, tmp_path):
+    """`served_family`'s twin on a backend of its own, for the test that trains: the others assert what the
+    untrained weights do (a tool call at temperature 0), so `served_family` must stay untrained whatever order
+    tests run in. On vLLM it uses the server `served_family` started (another would start for ~40 s); its
+    adapters load there under its own name, and `served_family`'s requests keep asking for the base weights."""
+    family, engine, served = served_family
+    config = served._backend.engine_config
+    if engine == "vllm":
+        server = served._backend.service(served).engine.server
+        vllm = artrl.VLLMConfig(url=server.base_url, api_key=server.api_key)
+        config = artrl.EngineConfig(kind="vllm", vllm=vllm)
+    backend = artrl.LocalBackend(path=tmp_path, engine=config)
+    name = f"{served.name}-{request.node.originalname}"
+    model = artrl.TrainableModel(name=name, project="families", base_model=served.base_model)
+    await model.register(backend)
+    yield family, engine, model
+    await backend.close()
+
+
 def run_tool(name: str, arguments: str) -> str:
     args = json.loads(arguments)
     if name == "add":
@@ -203,8 +223,8 @@ async def test_langgraph_react_agent(served_family):
     assert len(trajectory_rows(cap.trajectory, 0, None, allow_rendered=False)) == 1
 
 
-async def test_one_grpo_step_and_one_sft_call(served_family):
-    family, _, model = served_family
+async def test_one_grpo_step_and_one_sft_call(trainee_family):
+    family, _, model = trainee_family
 
     async def rollout(seed: int) -> artrl.Trajectory:
         traj = artrl.Trajectory(messages_and_choices=list(ASK), tools=FIXTURE_TOOLS)

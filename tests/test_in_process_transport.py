@@ -108,7 +108,7 @@ async def test_a_client_timeout_stops_the_generation(slow):
                 "http://gateway/v1/chat/completions",
                 json={"model": "slow", "messages": MESSAGES, "max_tokens": 2000},
             )
-    (stream,) = engine.streams
+    (stream,) = await engine.started()
     assert await aborted(stream)
 
 
@@ -132,7 +132,7 @@ async def test_a_caller_whose_loop_closed_costs_the_gateway_no_error(slow, caplo
     thread = threading.Thread(target=lambda: asyncio.run(call()))
     thread.start()
     thread.join(10)
-    (stream,) = engine.streams
+    (stream,) = await engine.started()
     await aborted(stream)
     await asyncio.sleep(0.5)  # the route's 499 goes to the closed loop
     assert stream.aborted
@@ -150,7 +150,7 @@ async def test_a_stream_closed_early_stops_the_generation(slow):
         async for line in response.aiter_lines():
             if line.startswith("data:"):
                 break  # leaves the block: the body is closed unread
-    (stream,) = engine.streams
+    (stream,) = await engine.started()
     assert await aborted(stream)
 
 
@@ -167,7 +167,7 @@ async def test_a_sync_client_timeout_stops_the_generation(slow):
 
     with pytest.raises(httpx2.ReadTimeout):
         await asyncio.to_thread(call)
-    (stream,) = engine.streams
+    (stream,) = await engine.started()
     assert await aborted(stream)
 
 

@@ -61,14 +61,17 @@ async def test_concurrent_sessions_with_zero_errors_and_flat_memory(fresh_model)
         }
     growth = figures["round2"]["rss_mib"] - figures["round1"]["rss_mib"]
     print(f"\nLOAD FIGURES: {json.dumps(figures)}")
-    assert growth < 64, figures  # the second round runs in the memory of the first
+    # the second round runs in the memory of the first: round 1 already paid the first-use costs and raised
+    # the allocator's high-water mark (which glibc keeps), so the bound does not depend on the test order
+    # (seen: +2 MiB in docs/reliability.md's run, +12 to +22 MiB on a loaded 2-core machine and pinned to one
+    # core); it still catches a leak of 85 KiB or more per call (64 MiB / 768 calls)
+    assert growth < 64, figures
 
 
 async def test_storms_of_clients_that_give_up_are_cancelled(fresh_model):
     service = fresh_model._backend.service(fresh_model)
     url = f"{fresh_model.inference_base_url}/chat/completions"
     body = {"model": fresh_model.name, "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500}
-    before = rss_mib()
 
     async def leaves_a_stream(client: httpx.AsyncClient) -> None:
         async with client.stream("POST", url, json={**body, "stream": True}) as response:
@@ -80,20 +83,36 @@ async def test_storms_of_clients_that_give_up_are_cancelled(fresh_model):
             with contextlib.suppress(httpx.TimeoutException):
                 await impatient.post(url, json=body)
 
-    started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=30) as client:
-        await asyncio.gather(*(leaves_a_stream(client) for _ in range(64)), *(times_out() for _ in range(64)))
-    engine = service.engine
-    for _ in range(100):  # every abandoned generation leaves the batch
-        if not engine._steps.batch.sequences and not engine._steps.pending:
-            break
-        await asyncio.sleep(0.05)
-    drained = time.perf_counter() - started
-    assert not engine._steps.batch.sequences and not engine._steps.pending
-    reply = await fresh_model.openai_client().chat.completions.create(
-        model=fresh_model.name, messages=[{"role": "user", "content": "still there?"}], max_tokens=4
-    )
-    assert reply.choices[0].finish_reason in ("stop", "length")
+    async def storm() -> float:
+        """Seconds from the storm's start until every abandoned generation has left the batch."""
+        started = time.perf_counter()
+        async with httpx.AsyncClient(timeout=30) as client:
+            await asyncio.gather(
+                *(leaves_a_stream(client) for _ in range(64)), *(times_out() for _ in range(64))
+            )
+        engine = service.engine
+        # (well within seconds on an idle machine; the deadline only guards against a hang, however loaded)
+        deadline = time.monotonic() + 120
+        while (engine._steps.batch.sequences or engine._steps.pending) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not engine._steps.batch.sequences and not engine._steps.pending
+        return time.perf_counter() - started
+
+    async def still_serving() -> None:
+        reply = await fresh_model.openai_client().chat.completions.create(
+            model=fresh_model.name, messages=[{"role": "user", "content": "still there?"}], max_tokens=4
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+
+    # The first storm and call in a process raise RSS by first-use costs (imports, torch's kernels and threads)
+    # and by the allocator's high-water mark of 128 requests at once, which glibc keeps after they are freed
+    # (here about 95 MiB when this test ran alone, 55 MiB after the other test: it depended on the test order).
+    # Measured from after a first storm, a second one shows what a storm leaves behind (here 1-4 MiB).
+    await storm()
+    await still_serving()
+    before = rss_mib()
+    drained = await storm()
+    await still_serving()
     figures = {"clients": 128, "drained_seconds": round(drained, 2), "rss_before_mib": round(before)}
     figures["rss_after_mib"] = round(rss_mib())
     print(f"\nSTORM FIGURES: {json.dumps(figures)}")

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from tolerances import assert_same_adamw_update
 
 import artrl
 from artrl.local.batch import TrainingBatch
@@ -154,9 +155,8 @@ def test_a_training_step_with_shared_prompts_equals_one_without():
     (plain, plain_delta), (shared, shared_delta) = results
     for key in ("loss", "entropy", "ratio_mean", "logprob_mismatch_mean", "grad_norm", "clip_fraction"):
         assert shared[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
-    for name, delta in plain_delta.items():
-        assert float(delta.abs().max()) > 0
-        assert torch.allclose(shared_delta[name], delta, atol=1e-5), name
+    assert all(float(delta.abs().max()) > 0 for delta in plain_delta.values())
+    assert_same_adamw_update(plain_delta, shared_delta, lr=1e-3)  # (another summation order: tolerances.py)
 
 
 def test_models_with_recurrent_layers_keep_whole_rows():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import assert_logprobs_close, assert_same_adamw_update, tiny_model_logprob_tolerance
 
 import artrl
 import artrl.storage
@@ -122,17 +123,8 @@ def assert_same_step(one: tuple, two: tuple) -> None:
     assert batch2.before_update == batch1.before_update
     for row1, row2 in zip(batch1.trainer_logprobs, batch2.trainer_logprobs, strict=True):
         assert [x is None for x in row2] == [x is None for x in row1] and len(row1) > 1
-        assert [x for x in row2 if x is not None] == pytest.approx(
-            [x for x in row1 if x is not None], abs=1e-5
-        )
-    assert weights1.keys() == weights2.keys()
-    for name in weights1:
-        # AdamW's first update is LR·g/(|g|+eps): an element whose gradient nearly cancels to ~eps turns the
-        # summation order's rounding into up to LR of difference (seen: 7e-5, on 2 of 1.5k elements at most);
-        # the gradients themselves are compared through the optimizer's moments (assert_same_optimizer)
-        off = (weights2[name] - weights1[name]).abs() > 1e-3 * LR
-        assert int(off.sum()) <= max(2, off.numel() // 200), (name, int(off.sum()))
-        assert torch.allclose(weights2[name], weights1[name], atol=2 * LR), name
+        assert_logprobs_close(row2, row1)  # (the summation order's rounding: tolerances.py)
+    assert_same_adamw_update(weights1, weights2, LR)
 
 
 def assert_same_optimizer(path1: Path, path2: Path) -> None:
@@ -147,6 +139,7 @@ def assert_same_optimizer(path1: Path, path2: Path) -> None:
     assert any(float(s["exp_avg"].abs().max()) > 0 for s in one["state"].values())
 
 
+@pytest.mark.slow  # (trainer processes started four times: ~25 s)
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny_model_dir, tmp_path):
     lora = artrl.LoraConfig() if mode == "lora" else None
@@ -178,6 +171,11 @@ def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny
             (tmp_path / folder).mkdir()
             trainer.save(str(tmp_path / folder))
         assert_same_optimizer(tmp_path / "one/optimizer.pt", tmp_path / "two/optimizer.pt")
+        # each resumed run below is compared with the run whose checkpoint it loaded, continuing
+        # uninterrupted: the same weights and optimizer state, so that only rounding may differ (the two
+        # runs' weights differ by AdamW's amplified rounding, see assert_same_adamw_update, which a step on each
+        # would carry into logprobs by more than any rounding tolerance)
+        second_two = run(ranks, model2, seed=2)  # two ranks, uninterrupted
     finally:
         ranks.close()
     second = run(one, model1, seed=2)  # one process, uninterrupted
@@ -185,7 +183,7 @@ def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny
     model3 = served_model(tiny_model_dir, lora, tmp_path / "two")
     resumed = Trainer(model3, pad_id=0)
     resumed.load(str(tmp_path / "two"))
-    assert_same_step(second, run(resumed, model3, seed=2))
+    assert_same_step(second_two, run(resumed, model3, seed=2))
     # 1 process -> 2 ranks
     model4 = served_model(tiny_model_dir, lora, tmp_path / "one")
     ranks = two_ranks(tiny_model_dir, model4, lora, tmp_path, checkpoint=tmp_path / "one")
@@ -202,18 +200,40 @@ def test_two_ranks_train_as_one_process_and_resume_across_rank_counts(mode, tiny
             ranks.load_update()
             for key in metrics1.keys() - {"train_seconds"}:
                 assert metrics2[key] == pytest.approx(metrics1[key], rel=1e-4), key
-            weights1, weights2 = trained(model1), trained(model4)
-            assert all(torch.allclose(weights2[n], weights1[n], atol=1e-6) for n in weights1)
+            assert_same_adamw_update(trained(model1), trained(model4), sft.learning_rate)
     finally:
         ranks.close()
     assert all(p.poll() is not None for p in ranks.procs)
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(engine, tiny_model_dir, tmp_path):
-    """The wiring: rollouts through the gateway, a step on 2 ranks, the served model changes (vLLM: the
-    checkpoint's adapter loaded), the checkpoint and the step's record are complete; closing the backend
-    stops the ranks; one process resumes the run."""
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_a_real_divergence_exceeds_the_tolerance(mode, tiny_model_dir):
+    """What the comparisons above exist to catch stays outside their rounding tolerance (tolerances.py):
+    trainer logprobs of a model one step apart (a rank that missed the update, the wrong checkpoint
+    loaded) differ from the rounding-only ones by far more than the tolerance, on most tokens."""
+    lora = artrl.LoraConfig() if mode == "lora" else None
+    model = served_model(tiny_model_dir, lora)
+    trainer = Trainer(model, pad_id=0)
+    config = artrl.TrainConfig(learning_rate=LR, max_tokens_per_microbatch=MICRO_TOKENS)
+    before, after = TrainingBatch(rows=step_rows(1)), TrainingBatch(rows=step_rows(1))
+    trainer.step(before, config)
+    trainer.step(after, config)  # the same rows, one update later
+    pairs = [
+        (x1, x2)
+        for row1, row2 in zip(before.trainer_logprobs, after.trainer_logprobs, strict=True)
+        for x1, x2 in zip(row1, row2, strict=True)
+        if x1 is not None
+    ]
+    outside = [abs(x2 - x1) > 10 * tiny_model_logprob_tolerance(x1) for x1, x2 in pairs]
+    assert sum(outside) >= 0.9 * len(pairs), f"{sum(outside)} of {len(pairs)} tokens"
+
+
+async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(tiny_model_dir, tmp_path):
+    """The wiring: rollouts through the gateway, a step on 2 ranks, the served model changes, the checkpoint
+    and the step's record are complete; closing the backend stops the ranks; one process resumes the run.
+    (With vLLM serving, the ranks' checkpoint is the adapter folder one process writes, hot-loaded as in
+    test_vllm_engine.py: that pairing once ran here too, 80 s of CI for a path tested on both sides.)"""
+    engine = "hf"
     from scored_rollouts import PROMPT, rollouts
 
     path = tmp_path / "artrl"
@@ -301,9 +321,12 @@ def test_a_rank_that_cannot_start_says_why(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path, demo_models):
-    """tests/test_examples.py's learning test (the same shortened demo and the same bar: +0.25 validation
-    success, +0.15 reward on 48 unseen mazes) with GRPO in 2 trainer processes (FSDP2 on gloo)."""
+def test_the_demo_runs_with_two_trainer_ranks(tmp_path, demo_models):
+    """The README's demo with `--trainer-ranks 2`: GRPO steps in 2 trainer processes (FSDP2 on gloo), from the
+    warm start test_examples.py's learning test built. Whether 2 ranks *learn* as one process does is
+    settled exactly, step by step, by test_two_ranks_train_as_one_process_and_resume_across_rank_counts (the
+    same loss, logprobs, gradients and weights): a second 16-step learning run here would prove nothing
+    more and cost ~3 minutes of CI, so this run checks the wiring: steps, validation, the ranks' logs."""
     import json
     import subprocess
     import sys
@@ -314,7 +337,7 @@ def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path, demo_models):
         done = subprocess.run(
             [
                 *(sys.executable, str(script), "--path", str(tmp_path / "artrl"), "--out", str(out)),
-                *("--steps", "16", "--val-size", "48", "--eval-every", "8", "--trainer-ranks", "2"),
+                *("--steps", "2", "--val-size", "8", "--eval-every", "0", "--trainer-ranks", "2"),
             ],
             capture_output=True,
             text=True,
@@ -322,11 +345,10 @@ def test_the_demo_learns_the_maze_with_two_trainer_ranks(tmp_path, demo_models):
         )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary_seed0_ranks2.json").read_text())
-    before, after = summary["before"], summary["after"]
-    assert summary["trainer_ranks"] == 2 and len(summary["history"]) == 16
-    assert after["success"] - before["success"] >= 0.25, summary["val_points"]
-    assert after["reward"] - before["reward"] >= 0.15
-    assert len(list((tmp_path / "artrl" / "maze").glob("maze-seed0-*/trainer-ranks/rank1.log"))) == 1
+    assert summary["trainer_ranks"] == 2 and len(summary["history"]) == 2
+    assert [h["step"] for h in summary["history"]] == [1, 2] and "success" in summary["after"]
+    (run,) = (tmp_path / "artrl" / "maze").glob("maze-seed0-*")  # the GRPO model's folder
+    assert (run / "trainer-ranks" / "rank1.log").exists() and (run / "checkpoints" / "0002").is_dir()
 
 
 def test_an_idle_pass_is_the_least_work_there_is(tiny_model_dir):
@@ -392,7 +414,7 @@ class FailingEngine:
         yield
         self.trained = True
 
-    async def run_exclusive(self, fn):
+    async def run_exclusive(self, fn, *, changes_weights=True):
         return fn()
 
     async def close(self) -> None:

@@ -284,7 +284,11 @@ def test_a_bf16_base_trains_its_fp32_adapter_under_autocast(tiny_model_dir):
     difference = (lp.detach() - reference)[trained].abs()
     assert float(difference.mean()) < 0.01 and float(difference.max()) < 0.05  # nats (seen: 0.002, 0.005)
     chunked, _ = token_logprobs(half, batch, 7)
-    assert torch.allclose(chunked[trained], lp.detach()[trained], atol=1e-6)
+    # the head's product in chunks of 7 rows may take another kernel (another summation order) than all rows
+    # at once; accumulated in fp32 and rounded once to bf16, a logit then differs by at most one bf16 ulp
+    # (2^-7 relative), the logprob (the logit minus the log-sum-exp of all of them) by at most two
+    ulp = 2.0**-7 * float(logits.abs().max())
+    assert torch.allclose(chunked[trained], lp.detach()[trained], atol=2 * ulp)
 
 
 async def test_models_registered_at_once_all_load(tiny_model_dir, tmp_path):

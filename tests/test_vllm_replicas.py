@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from tolerances import assert_logprobs_close
 
 import artrl
 from artrl.config import VLLMConfig
@@ -246,11 +247,10 @@ async def test_each_step_is_served_by_every_replica(pair):
         assert name in {m["id"] for m in listed}, (replica.index, listed)
         answers.append(complete(replica, name, prompt))
     (ids, logprobs), other = answers
-    assert other[0] == ids and other[1] == pytest.approx(
-        logprobs, abs=1e-4
-    )  # both replicas: the same adapter
+    assert other[0] == ids  # both replicas: the same adapter
+    assert_logprobs_close(other[1], logprobs)
     expected = await model._backend.service(model).run_exclusive(lambda: trainer_logprobs(model, prompt, ids))
-    assert logprobs == pytest.approx(expected, abs=1e-4)  # ... the step's weights
+    assert_logprobs_close(logprobs, expected)  # ... the step's weights
     base = complete(engine.replicas[0], "tiny", prompt)
     assert base[1] != pytest.approx(logprobs, abs=1e-3), (
         "the base model answers otherwise: the check has teeth"
@@ -274,7 +274,7 @@ async def test_each_step_is_served_by_every_replica(pair):
                 model, c.model_extra["prompt_token_ids"], c.model_extra["token_ids"]
             )
         )
-        assert choice.model_extra["token_logprobs"] == pytest.approx(got, abs=1e-4)
+        assert_logprobs_close(choice.model_extra["token_logprobs"], got)
 
 
 @pytest.mark.vllm

@@ -124,8 +124,9 @@ class Engine(Protocol):
         """Start n sampled continuations of prompt_ids; must be called from the event loop."""
         ...
 
-    async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run fn (a training step, a save) where nothing else touches the trainer's weights."""
+    async def run_exclusive(self, fn: Callable[[], T], *, changes_weights: bool = True) -> T:
+        """Run fn (a training step, a save) where nothing else touches the trainer's weights.
+        changes_weights=False (a save, an export): what the engine derived from the weights stays valid."""
         ...
 
     def training(self) -> AbstractAsyncContextManager[None]:

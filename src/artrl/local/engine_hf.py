@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 class _Job:
     fn: Callable[[], Any]
     future: Future
+    changes_weights: bool = True  # False: the prefix cache and the fused weights stay valid after it
 
 
 class HFEngine:
@@ -101,18 +102,19 @@ class HFEngine:
         self._worker.wake()
         return [s.stream for s in sequences]
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run fn on the engine thread between two token steps (e.g. a training step); returns its future."""
+    def call(self, fn: Callable[[], Any], *, changes_weights: bool = True) -> Future:
+        """Run fn on the engine thread between two token steps (e.g. a training step); returns its future.
+        changes_weights=False (a checkpoint write): cached prefixes and fused weights are kept."""
         if self._closed:
             raise RuntimeError("engine is closed")
-        job = _Job(fn, Future())
+        job = _Job(fn, Future(), changes_weights)
         self._incoming.put(job)
         self._worker.wake()
         return job.future
 
-    async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+    async def run_exclusive(self, fn: Callable[[], Any], *, changes_weights: bool = True) -> Any:
         """On the engine's own thread, between two token steps: generation pauses, then uses the result."""
-        return await asyncio.wrap_future(self.call(fn))
+        return await asyncio.wrap_future(self.call(fn, changes_weights=changes_weights))
 
     def training(self) -> contextlib.AbstractAsyncContextManager[None]:
         return contextlib.nullcontext()  # type: ignore[return-value]  # async-compatible in 3.10+
@@ -196,22 +198,22 @@ class HFEngine:
 
     def _run_jobs(self) -> None:
         jobs, self._jobs = self._jobs, []
-        if jobs:
-            self.prefix_cache.clear()  # a job may change the weights: cached keys and values are stale
+        if not jobs:
+            return
+        if any(job.changes_weights for job in jobs):
+            self.prefix_cache.clear()  # cached keys and values are stale
             if self._fused is not None:
                 self._fused.stale()
-            if self._lora is not None:
-                self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
-        if jobs:
-            torch.set_num_threads(self._threads[1])  # training with torch's default
+        if self._lora is not None:
+            self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
+        torch.set_num_threads(self._threads[1])  # training with torch's default
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 try:
                     job.future.set_result(job.fn())
                 except BaseException as exc:  # delivered to the caller
                     job.future.set_exception(exc)
-        if jobs:
-            torch.set_num_threads(self._threads[0])
+        torch.set_num_threads(self._threads[0])
 
     def _collect_requests(self, block: bool) -> bool:
         """Move what arrived to the pending requests and jobs (waiting a little when block); whether any."""

@@ -241,7 +241,7 @@ class VLLMEngine:
         await self.replicas.reload(checkpoint)
 
     # ------------------------------------------------------------------ around training
-    async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+    async def run_exclusive(self, fn: Callable[[], Any], *, changes_weights: bool = True) -> Any:
         """On the trainer's own thread: vLLM holds its own copy of the weights and goes on generating."""
         # (torch's default threads: an embedded engine in this process may have changed the count new
         # threads start with, see torch_threads)

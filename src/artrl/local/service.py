@@ -222,11 +222,12 @@ class LocalService:
             self.model.save_pretrained(directory)
             self.tokenizer.save_pretrained(directory)
 
-        await self.run_exclusive(write)
+        await self.run_exclusive(write, changes_weights=False)
 
-    async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run fn where nothing else touches the trainer's weights (the engine decides where)."""
-        return await self.engine.run_exclusive(fn)
+    async def run_exclusive(self, fn: Callable[[], T], *, changes_weights: bool = True) -> T:
+        """Run fn where nothing else touches the trainer's weights (the engine decides where).
+        changes_weights=False (a save): the engine keeps what it derived from the weights (cached prefixes)."""
+        return await self.engine.run_exclusive(fn, changes_weights=changes_weights)
 
     def training(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Around a training step (the engine decides what that means for it)."""

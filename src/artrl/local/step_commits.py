@@ -42,7 +42,9 @@ class StepCommits:
     ) -> None:
         row = {"step": step, "split": split, "time": time.time(), **metrics}
         try:
-            await service.run_exclusive(lambda: save_checkpoint(service, directory, step, row))
+            await service.run_exclusive(
+                lambda: save_checkpoint(service, directory, step, row), changes_weights=False
+            )
         except Exception as exc:  # ENOSPC, or torch/safetensors' own errors for a failed write
             self._unsaved[(model.project, model.name)] = (step, row)
             raise CheckpointError(
@@ -81,7 +83,9 @@ class StepCommits:
             return
         step, row = self._unsaved[key]
         try:
-            await service.run_exclusive(lambda: save_checkpoint(service, directory, step, row))
+            await service.run_exclusive(
+                lambda: save_checkpoint(service, directory, step, row), changes_weights=False
+            )
         except Exception as exc:
             raise CheckpointError(
                 f"step {step}'s checkpoint still cannot be written: {exc}; nothing was trained. Free some space "
