@@ -21,6 +21,9 @@ from tolerances import assert_logprobs_close
 import artrl
 from artrl.local.service_process import ServiceProcessError
 
+# every test here starts the service in a child process (~4 s each): the slow tier, which CI runs
+pytestmark = pytest.mark.slow
+
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 

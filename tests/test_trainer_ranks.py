@@ -228,6 +228,7 @@ def test_a_real_divergence_exceeds_the_tolerance(mode, tiny_model_dir):
     assert sum(outside) >= 0.9 * len(pairs), f"{sum(outside)} of {len(pairs)} tokens"
 
 
+@pytest.mark.slow  # (trainer processes: ~8 s)
 async def test_a_local_backend_trains_in_two_ranks_and_resumes_in_one(tiny_model_dir, tmp_path):
     """The wiring: rollouts through the gateway, a step on 2 ranks, the served model changes, the checkpoint
     and the step's record are complete; closing the backend stops the ranks; one process resumes the run.
