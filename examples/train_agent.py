@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import inspect
 import json
 import os
 import random
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 # one live bar (GRPO's): no per-checkpoint "Writing model shards" bars from transformers
@@ -39,6 +37,7 @@ import artrl
 sys.path.insert(0, str(Path(__file__).parent))
 import maze_env as env
 import tool_reading
+from sft_cache import sft_stage
 
 TARGET_GAIN = 0.30  # the gain in validation success the demo must show (issue 4)
 # per-step train metrics kept in the summary: the train/inference mismatch monitor and the step's phases
@@ -71,35 +70,6 @@ async def evaluate(
     }
 
 
-async def sft_stage(
-    backend: artrl.LocalBackend,
-    base_model: str,
-    name: str,
-    transcripts: Callable[[], list[artrl.Trajectory]],
-    config: artrl.SFTConfig,
-    key_parts: list,
-    path: str,
-) -> str:
-    """Fully fine-tune `base_model` on `transcripts()`; the result is cached as a model folder keyed by
-    everything that determines it. A base model from this cache counts by its folder's name, not its path:
-    the cache holds wherever --path is (moved, copied, or given as another path)."""
-    models = Path(path) / "models"
-    base = Path(base_model).name if Path(base_model).parent == models else base_model
-    parts = [base, config.model_dump(), *key_parts]
-    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
-    folder = models / f"{name}-{key}"
-    if (folder / "config.json").exists():
-        return str(folder)
-    model = artrl.TrainableModel(name=f"{name}-{key}", project="maze", base_model=base_model, lora=None)
-    await model.register(backend)
-    result = await model.train_sft(transcripts(), config)
-    tmp = folder.with_name(folder.name + ".tmp")
-    await model.export(str(tmp))
-    tmp.rename(folder)
-    print(f"{name}: {result.metrics['optimizer_steps']} SFT steps, loss {result.metrics['loss']:.3f}")
-    return str(folder)
-
-
 async def pretrained_tiny_model(backend: artrl.LocalBackend, args: argparse.Namespace) -> str:
     """The project's tiny model after the stand-in for pretraining: generic tool-reading conversations
     (see tool_reading.py; a hub model needs no such stage)."""
@@ -114,6 +84,7 @@ async def pretrained_tiny_model(backend: artrl.LocalBackend, args: argparse.Name
         artrl.SFTConfig(learning_rate=args.pretrain_lr, epochs=1, batch_size=16, seed=0),
         [args.pretrain_examples, inspect.getsource(tool_reading)],
         args.path,
+        project="maze",
     )
 
 
@@ -129,7 +100,9 @@ async def warm_start(backend: artrl.LocalBackend, base_model: str, args: argpars
 
     config = artrl.SFTConfig(learning_rate=args.sft_lr, epochs=args.sft_epochs, batch_size=16, seed=0)
     key = [args.sft_examples, args.warm_skill, inspect.getsource(env.weak_transcript)]
-    return await sft_stage(backend, base_model, "maze-warm", transcripts, config, key, args.path)
+    return await sft_stage(
+        backend, base_model, "maze-warm", transcripts, config, key, args.path, project="maze"
+    )
 
 
 def plot(history: list[dict], val_points: list[tuple[int, float, float]], out: Path, title: str) -> None:

@@ -1,56 +1,64 @@
 """A synthetic inbox, generated offline and deterministically, in SQLite with FTS5; the agent's two tools; and
-questions with known answers and the message that holds each answer.
+questions with known answers and the message that holds each one.
 
-Thousands of ordinary messages (meetings, newsletters, lunch, reminders, replies in threads) between a few
-dozen people, and among them *fact* messages: a storage-room code, a flight time, a budget, a meeting room,
-an invoice's payment date. Each fact gives a question whose answer is in exactly one message. Splits:
+Ordinary mail (meetings, newsletters, reminders, replies in threads) between people of one company, and among
+it *fact* messages, each the source of one question:
 
-- `easy`: the question names something only its message mentions (an invoice number, a project name):
-  one search finds it;
-- `hard`: facts that changed (the storage code was reset twice; the question asks for the latest one), so
-  the agent must compare dates, or narrow by sender.
+- easy: the question names something only its message mentions, and searching that finds it first —
+  an invoice's payment date, a flight's departure time, a project's approved budget;
+- hard: the first hit is not the answer. A lab's door code was set three times, and the question asks for
+  the one set on a given date (the hits come newest first, so the agent must match the date); a budget was
+  proposed, then revised in a reply, and the question asks for the first proposal (the revision comes first).
+
+Every fact message holds other values beside the answer (an amount, a gate, last year's budget, the old code),
+so an answer that pastes the message holds a value that is not the answer.
+
+Train and validation inboxes are built from disjoint pools (`POOLS`): different people, cities, projects,
+labs, invoice and flight numbers, and message ids (random `m` + 5 digits, the digits' sum even in one, odd in
+the other), so no fact, name or id is shared.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import random
 import sqlite3
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-FIRST = [
-    "Ana",
-    "Ben",
-    "Chloe",
-    "Dev",
-    "Elif",
-    "Femi",
-    "Greta",
-    "Hiro",
-    "Ines",
-    "Jon",
-    "Kira",
-    "Luis",
-    "Maya",
-    "Nils",
-]
-LAST = [
-    "Berg",
-    "Costa",
-    "Diaz",
-    "Eriksen",
-    "Fischer",
-    "Garcia",
-    "Haddad",
-    "Ito",
-    "Jensen",
-    "Kowalski",
-    "Lind",
-]
+FIRST = ["ana", "ben", "chloe", "dev", "elif", "femi", "greta", "hiro", "ines", "jon", "kira", "luis"]
+FIRST += ["maya", "nils", "olga", "pablo", "quinn", "rosa", "sami", "tara", "umar", "vera", "wen", "yara"]
+LAST = ["berg", "costa", "diaz", "eriksen", "fischer", "garcia", "haddad", "ito", "jensen", "kowalski"]
+LAST += ["lind", "moreau", "novak", "okafor", "park", "quist", "rossi", "sato", "tanaka", "weber"]
 CITIES = ["Oslo", "Lisbon", "Tokyo", "Nairobi", "Lima", "Seoul", "Dublin", "Quito", "Riga", "Perth"]
+CITIES += ["Cairo", "Hanoi", "Porto", "Bergen", "Denver", "Accra", "Kyoto", "Malmo", "Turin", "Zagreb"]
 PROJECTS = ["Aurora", "Basalt", "Cobalt", "Dune", "Ember", "Fjord", "Granite", "Harbor", "Iris", "Juniper"]
+PROJECTS += ["Kestrel", "Lumen", "Meadow", "Nimbus", "Onyx", "Prism", "Quartz", "Raven", "Sierra", "Tundra"]
+
+
+@dataclass(frozen=True)
+class Pool:
+    """What one split's inboxes are made of (the two splits' pools share nothing)."""
+
+    id_parity: int  # message ids: "m" and 5 digits whose sum has this parity
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    cities: tuple[str, ...]
+    projects: tuple[str, ...]
+    numbers: range  # invoice, flight and lab numbers
+
+
+def _half(items: list[str], k: int) -> tuple[str, ...]:
+    return tuple(items[k::2])
+
+
+POOLS = {
+    split: Pool(k, _half(FIRST, k), _half(LAST, k), _half(CITIES, k), _half(PROJECTS, k), numbers)
+    for split, k, numbers in (("train", 0, range(100, 550)), ("val", 1, range(550, 1000)))
+}
+START = dt.date(2024, 1, 1)
 FILLER_SUBJECTS = [
     "Lunch on Friday?",
     "Weekly newsletter",
@@ -58,8 +66,6 @@ FILLER_SUBJECTS = [
     "Parking changes",
     "Team offsite ideas",
     "Printer on floor 3",
-    "Coffee machine",
-    "Welcome our new colleague",
     "Holiday schedule",
     "IT maintenance",
 ]
@@ -67,14 +73,12 @@ FILLER_LINES = [
     "Let me know what works for you.",
     "Thanks for the quick turnaround.",
     "See the notes from last week.",
-    "The agenda is attached.",
     "Please review before Thursday.",
     "Happy to help if needed.",
     "We moved the sync to next week.",
-    "Great work on the launch, everyone.",
     "Can we talk about this tomorrow?",
 ]
-START = dt.date(2024, 1, 1)
+MESSAGES_PER_QUESTION = 25
 
 
 @dataclass(frozen=True)
@@ -83,85 +87,107 @@ class Question:
     question: str
     answer: str
     source_id: str  # the message that holds the answer
-    split: str  # "easy" or "hard"
+    kind: str  # "easy" or "hard"
+    search: str  # the words that find the source (the scripted agent's right search)
 
 
-def _person(rng: random.Random) -> str:
-    return f"{rng.choice(FIRST).lower()}.{rng.choice(LAST).lower()}@acme.example"
-
-
-def generate(n_messages: int = 3000, seed: int = 0) -> tuple[list[dict], list[Question]]:
-    """The inbox's messages and the questions about them (the same arguments give the same inbox)."""
-    rng = random.Random(seed)
+def generate(
+    split: str = "train", n_messages: int = 2000, seed: int = 0
+) -> tuple[list[dict], list[Question]]:
+    """The inbox's messages (oldest first) and its questions; the same arguments give the same inbox."""
+    pool = POOLS[split]
+    rng = random.Random(f"{split}-{seed}")
     messages: list[dict] = []
     questions: list[Question] = []
+    numbers = rng.sample(pool.numbers, len(pool.numbers))  # each number names one thing in this inbox
 
-    def add(sender: str, to: str, subject: str, body: str, day: int) -> str:
-        mid = f"m{len(messages):05d}"
+    def person() -> str:
+        return f"{rng.choice(pool.first)}.{rng.choice(pool.last)}@acme.example"
+
+    def add(subject: str, body: str, day: int, sender: str | None = None, to: str | None = None) -> str:
+        mid = f"tmp{len(messages)}"
         date = (START + dt.timedelta(days=day)).isoformat()
         messages.append(
-            {"id": mid, "sender": sender, "to": to, "date": date, "subject": subject, "body": body}
+            {"id": mid, "sender": sender or person(), "to": to or person(), "date": date}
+            | {"subject": subject, "body": f"{body} {rng.choice(FILLER_LINES)}"}
         )
         return mid
 
-    facts = max(1, n_messages // 30)
-    for k in range(facts):
-        day, sender, to = rng.randrange(360), _person(rng), _person(rng)
-        kind = k % 4
-        if kind == 0:
-            invoice, paid = f"INV-{rng.randrange(10000, 99999)}", (START + dt.timedelta(days=day)).isoformat()
-            mid = add(
-                sender,
-                to,
-                f"Invoice {invoice}",
-                f"Invoice {invoice} was paid on {paid}. No action needed.",
-                day,
+    def question(text: str, answer: str, source: str, kind: str, search: str) -> None:
+        questions.append(Question(f"{split}{seed}-q{len(questions)}", text, answer, source, kind, search))
+
+    for k in range(max(4, n_messages // MESSAGES_PER_QUESTION)):
+        day, number = rng.randrange(300), numbers.pop()
+        kind = k % 5
+        if kind == 0:  # easy: an invoice's payment date
+            paid = (START + dt.timedelta(days=day)).isoformat()
+            amount = f"${rng.randrange(1, 10)},{rng.randrange(100, 1000)}"
+            mid = add(f"Invoice {number}", f"Invoice {number} was paid on {paid} (amount {amount}).", day)
+            question(f"When was invoice {number} paid?", paid, mid, "easy", f"invoice {number}")
+        elif kind == 1:  # easy: a flight's time
+            city, time = (
+                rng.choice(pool.cities),
+                f"{rng.randrange(5, 22):02d}:{rng.choice([0, 15, 30, 45]):02d}",
             )
-            questions.append(Question(f"q{k}", f"When was invoice {invoice} paid?", paid, mid, "easy"))
-        elif kind == 1:
-            city, time = rng.choice(CITIES), f"{rng.randrange(5, 22):02d}:{rng.choice([0, 15, 30, 45]):02d}"
-            code = f"flight {rng.randrange(100, 999)}"
-            body = f"Booked: our {code} to {city} leaves at {time}. Be at the gate early."
-            mid = add(sender, to, f"Trip to {city} ({code})", body, day)
-            questions.append(Question(f"q{k}", f"What time does {code} to {city} leave?", time, mid, "easy"))
-        elif kind == 2:
-            project, budget = rng.choice(PROJECTS) + f"-{k}", f"${rng.randrange(5, 95)},000"
-            mid = add(sender, to, f"{project} budget", f"The approved budget for {project} is {budget}.", day)
-            questions.append(
-                Question(f"q{k}", f"What is the approved budget for {project}?", budget, mid, "easy")
+            body = f"Booked: flight {number} to {city} leaves at {time} from gate {rng.randrange(2, 60)}."
+            mid = add(f"Trip to {city}", body, day)
+            question(
+                f"What time does flight {number} to {city} leave?", time, mid, "easy", f"flight {number}"
             )
-        else:  # a code reset several times: the question wants the latest
-            room = f"lab {k}"
-            codes = [str(rng.randrange(1000, 9999)) for _ in range(3)]
+        elif kind == 2:  # easy: a project's budget
+            project, budget = f"{rng.choice(pool.projects)}-{number}", f"${rng.randrange(5, 95)},000"
+            before = f"${rng.randrange(5, 95)},500"
+            body = f"The approved budget for {project} is {budget}, up from {before} last year."
+            mid = add(f"{project} budget", body, day)
+            question(f"What is the approved budget for {project}?", budget, mid, "easy", f"budget {project}")
+        elif kind == 3:  # hard: the code set on a given date (not the newest: the first hit is wrong)
+            codes = rng.sample(range(1000, 10000), 4)
             ids = [
-                add(sender, to, f"New code for {room}", f"The code for {room} is now {code}.", day + 20 * i)
-                for i, code in enumerate(codes)
+                add(
+                    f"New code for lab {number}",
+                    f"The code for lab {number} is now {code} (was {old}).",
+                    day + 15 * i,
+                )
+                for i, (old, code) in enumerate(itertools.pairwise(codes))
             ]
-            question = f"What is the current code for {room}?"
-            questions.append(Question(f"q{k}", question, codes[-1], ids[-1], "hard"))
+            codes = codes[1:]
+            i = rng.randrange(2)  # the oldest or the middle one
+            date = messages[-3 + i]["date"]
+            text = f"What was the code for lab {number} set on {date}?"
+            question(text, str(codes[i]), ids[i], "hard", f"lab {number}")
+        else:  # hard: a budget proposed, then revised in a reply; asked: the first proposal
+            project = f"{rng.choice(pool.projects)}-{number}"
+            proposed, revised = (f"${v},000" for v in rng.sample(range(5, 95), 2))
+            a, b = person(), person()
+            subject = f"Proposal for {project}"
+            travel = f"${rng.randrange(1, 5)},000"
+            body = f"We propose a budget of {proposed} for {project}, with {travel} of it for travel."
+            mid = add(subject, body, day, a, b)
+            add(f"Re: {subject}", f"Revised budget: {project} gets {revised} instead.", day + 3, b, a)
+            question(f"What budget was first proposed for {project}?", proposed, mid, "hard", f"budget {project}")
     while len(messages) < n_messages:  # ordinary mail, some of it in threads
-        subject, day = rng.choice(FILLER_SUBJECTS), rng.randrange(365)
-        sender, to = _person(rng), _person(rng)
-        body = " ".join(rng.sample(FILLER_LINES, 3))
-        add(sender, to, subject, body, day)
+        subject, day, sender, to = rng.choice(FILLER_SUBJECTS), rng.randrange(330), person(), person()
+        body = " ".join(rng.sample(FILLER_LINES, 2))
+        add(subject, body, day, sender, to)
         if rng.random() < 0.3 and len(messages) < n_messages:
-            add(
-                to,
-                sender,
-                f"Re: {subject}",
-                f"{rng.choice(FILLER_LINES)}\n> {body}",
-                day + rng.randrange(1, 4),
-            )
-    order = sorted(range(len(messages)), key=lambda i: (messages[i]["date"], messages[i]["id"]))
-    return [messages[i] for i in order], questions
+            add(f"Re: {subject}", rng.choice(FILLER_LINES), day + rng.randrange(1, 4), to, sender)
+    # random ids (nothing in an id tells a fact, a date or a position), each split's from its own half
+    ordered = sorted(messages, key=lambda m: (m["date"], int(m["id"][3:])))
+    ids = [i for i in range(100000) if sum(map(int, f"{i:05d}")) % 2 == pool.id_parity]
+    new_ids = {m["id"]: f"m{i:05d}" for m, i in zip(ordered, rng.sample(ids, len(ordered)), strict=True)}
+    for m in ordered:
+        m["id"] = new_ids[m["id"]]
+    return ordered, [replace(q, source_id=new_ids[q.source_id]) for q in questions]
 
 
-def build(path: str | Path, n_messages: int = 3000, seed: int = 0) -> list[Question]:
+def build(path: str | Path, split: str = "train", n_messages: int = 2000, seed: int = 0) -> list[Question]:
     """Write the inbox to a SQLite file with an FTS5 index (rebuilt each time: deterministic); its questions."""
     path = Path(path)
-    path.unlink(missing_ok=True)
-    messages, questions = generate(n_messages, seed)
-    db = sqlite3.connect(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    messages, questions = generate(split, n_messages, seed)
+    db = sqlite3.connect(tmp)
     with db:
         db.execute(
             "CREATE TABLE messages (id TEXT PRIMARY KEY, sender TEXT, recipient TEXT, date TEXT, subject TEXT, body TEXT)"
@@ -172,6 +198,7 @@ def build(path: str | Path, n_messages: int = 3000, seed: int = 0) -> list[Quest
             db.execute("INSERT INTO messages VALUES (?, ?, ?, ?, ?, ?)", row)
             db.execute("INSERT INTO search VALUES (?, ?, ?)", (m["id"], m["subject"], m["body"]))
     db.close()
+    tmp.replace(path)
     path.with_suffix(".questions.json").write_text(json.dumps([asdict(q) for q in questions], indent=1))
     return questions
 
@@ -179,47 +206,34 @@ def build(path: str | Path, n_messages: int = 3000, seed: int = 0) -> list[Quest
 class Inbox:
     """The agent's tools over one inbox file (read-only)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, hits: int = 3) -> None:
         self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        self.hits = hits
 
-    def search_inbox(
-        self,
-        keywords: str,
-        sender: str | None = None,
-        to: str | None = None,
-        after: str | None = None,
-        before: str | None = None,
-        limit: int = 5,
-    ) -> list[dict]:
-        """Messages matching all the keywords (subject or body), newest first within the best matches."""
-        terms = [t for t in "".join(c if c.isalnum() or c in "-$," else " " for c in keywords).split() if t]
+    def search_inbox(self, keywords: str) -> list[dict]:
+        """Messages whose subject or body hold every keyword, newest first, at most `hits` of them."""
+        terms = "".join(c if c.isalnum() or c in "-$," else " " for c in keywords).split()
         if not terms:
             return []
-        query = " ".join('"' + t.replace('"', "") + '"' for t in terms)
-        sql = (
-            "SELECT m.id, m.date, m.sender, m.subject FROM search JOIN messages m ON m.id = search.id "
-            "WHERE search MATCH ?"
-        )
-        args: list = [query]
-        for column, value, op in (
-            ("m.sender", sender, "LIKE"),
-            ("m.recipient", to, "LIKE"),
-            ("m.date", after, ">="),
-            ("m.date", before, "<="),
-        ):
-            if value:
-                sql += f" AND {column} {op} ?"
-                args.append(f"%{value}%" if op == "LIKE" else value)
-        sql += " ORDER BY rank, m.date DESC LIMIT ?"
-        rows = self.db.execute(sql, [*args, limit]).fetchall()
-        return [{"id": r[0], "date": r[1], "from": r[2], "subject": r[3]} for r in rows]
+        query = " ".join('"' + t + '"' for t in terms)
+        try:
+            rows = self.db.execute(
+                "SELECT m.id, m.date, m.subject FROM search JOIN messages m ON m.id = search.id "
+                "WHERE search MATCH ? ORDER BY m.date DESC, m.id DESC LIMIT ?",
+                (query, self.hits),
+            ).fetchall()
+        except sqlite3.OperationalError:  # a query FTS5 cannot parse matches nothing
+            return []
+        return [{"id": r[0], "date": r[1], "subject": r[2]} for r in rows]
 
     def read_email(self, message_id: str) -> dict | None:
         row = self.db.execute(
-            "SELECT id, date, sender, recipient, subject, body FROM messages WHERE id = ?", (message_id,)
+            "SELECT id, date, sender, subject, body FROM messages WHERE id = ?", (message_id,)
         ).fetchone()
-        keys = ("id", "date", "from", "to", "subject", "body")
-        return None if row is None else dict(zip(keys, row, strict=True))
+        return None if row is None else dict(zip(("id", "date", "from", "subject", "body"), row, strict=True))
+
+    def close(self) -> None:
+        self.db.close()
 
 
 def load_questions(path: str | Path) -> list[Question]:
