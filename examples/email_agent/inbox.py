@@ -164,7 +164,9 @@ def generate(
             body = f"We propose a budget of {proposed} for {project}, with {travel} of it for travel."
             mid = add(subject, body, day, a, b)
             add(f"Re: {subject}", f"Revised budget: {project} gets {revised} instead.", day + 3, b, a)
-            question(f"What budget was first proposed for {project}?", proposed, mid, "hard", f"budget {project}")
+            question(
+                f"What budget was first proposed for {project}?", proposed, mid, "hard", f"budget {project}"
+            )
     while len(messages) < n_messages:  # ordinary mail, some of it in threads
         subject, day, sender, to = rng.choice(FILLER_SUBJECTS), rng.randrange(330), person(), person()
         body = " ".join(rng.sample(FILLER_LINES, 2))
