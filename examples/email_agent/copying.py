@@ -112,12 +112,12 @@ def conversation(rng: random.Random, index: int) -> artrl.Trajectory:
         return {"role": "tool", "tool_call_id": f"call_{index}_{turn}", "content": json.dumps(content)}
 
     messages: list = [
-        {"role": "user", "content": f"What is the {field} of the {thing} named {key}?"},
-        call(0, f"find_{thing}", {"query": key}),
+        {"role": "user", "content": f"What is the {field} of {thing} {key}?"},
+        call(0, f"find_{thing}", {"query": f"{thing} {key}"}),
         result(0, [{"ref": r, "name": n} for r, n in records]),
         call(1, f"open_{thing}", {"ref": ref}),
         result(1, {"ref": ref, "text": text}),
-        call(2, "report", {"value": values[field], "ref": ref}),
+        call(2, "report", {"value": f"is {values[field]}", "ref": ref}),
     ]
     return artrl.Trajectory(messages_and_choices=messages, tools=tools)
 

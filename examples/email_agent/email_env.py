@@ -63,10 +63,14 @@ def is_correct(answer: str, question: Question) -> bool:
     return question.answer in found and all(v == question.answer or v in named for v in found)
 
 
-def first_value(body: str, question: Question) -> str | None:
-    """The first value in a message that the question does not name (the scripted agent's answer)."""
+def answer_phrase(body: str, question: Question) -> str | None:
+    """The scripted agent's answer: the first value in a message that the question does not name, with the
+    word before it as the message has it ("on 2024-07-29", "is $42,000")."""
     named = set(values(question.question))
-    return next((v for v in values(body) if v not in named), None)
+    for match in re.finditer(rf"(\S+ )({VALUE.pattern})", body):
+        if match.group(2) not in named:
+            return match.group(0)
+    return None
 
 
 @dataclass
@@ -210,7 +214,7 @@ def scripted_transcript(
         others = [i for i in ids if i != question.source_id] or ids
         chosen = question.source_id if right else rng.choice(others)
         message = json.loads(act("read_email", {"message_id": chosen}))
-        answer = first_value(message.get("body", ""), question) or "I don't know"
+        answer = answer_phrase(message.get("body", ""), question) or "I don't know"
         act("final_answer", {"answer": answer, "source_id": chosen})
     traj.reward, traj.metrics = episode.score()
     return traj

@@ -47,16 +47,21 @@ class Pool:
     last: tuple[str, ...]
     cities: tuple[str, ...]
     projects: tuple[str, ...]
-    numbers: range  # invoice, flight and lab numbers
+    numbers: tuple[int, ...]  # invoice, flight and lab numbers
 
 
 def _half(items: list[str], k: int) -> tuple[str, ...]:
     return tuple(items[k::2])
 
 
+def _numbers(parity: int) -> tuple[int, ...]:
+    """1000..9999 whose digits sum to `parity` mod 2: both halves span every leading digit."""
+    return tuple(n for n in range(1000, 10000) if sum(map(int, str(n))) % 2 == parity)
+
+
 POOLS = {
-    split: Pool(k, _half(FIRST, k), _half(LAST, k), _half(CITIES, k), _half(PROJECTS, k), numbers)
-    for split, k, numbers in (("train", 0, range(100, 550)), ("val", 1, range(550, 1000)))
+    split: Pool(k, _half(FIRST, k), _half(LAST, k), _half(CITIES, k), _half(PROJECTS, k), _numbers(k))
+    for split, k in (("train", 0), ("val", 1))
 }
 START = dt.date(2024, 1, 1)
 FILLER_SUBJECTS = [
@@ -139,9 +144,9 @@ def generate(
             before = f"${rng.randrange(5, 95)},500"
             body = f"The approved budget for {project} is {budget}, up from {before} last year."
             mid = add(f"{project} budget", body, day)
-            question(f"What is the approved budget for {project}?", budget, mid, "easy", f"budget {project}")
+            question(f"What is the approved budget for {project}?", budget, mid, "easy", f"budget {number}")
         elif kind == 3:  # hard: the code set on a given date (not the newest: the first hit is wrong)
-            codes = rng.sample(range(1000, 10000), 4)
+            codes = rng.sample(range(10000, 100000), 4)
             ids = [
                 add(
                     f"New code for lab {number}",
@@ -165,7 +170,7 @@ def generate(
             mid = add(subject, body, day, a, b)
             add(f"Re: {subject}", f"Revised budget: {project} gets {revised} instead.", day + 3, b, a)
             question(
-                f"What budget was first proposed for {project}?", proposed, mid, "hard", f"budget {project}"
+                f"What budget was first proposed for {project}?", proposed, mid, "hard", f"budget {number}"
             )
     while len(messages) < n_messages:  # ordinary mail, some of it in threads
         subject, day, sender, to = rng.choice(FILLER_SUBJECTS), rng.randrange(330), person(), person()

@@ -47,10 +47,15 @@ WARM_INBOX_MESSAGES = 1000  # the warm start's inboxes (seeds 1, 2, ...; RL trai
 METRICS = ("correct", "cited", "found", "read", "answered", "calls")
 
 
-async def evaluate(model: artrl.Model, inbox: inboxes.Inbox, questions: list[inboxes.Question]) -> dict:
+async def evaluate(
+    model: artrl.Model, inbox: inboxes.Inbox, questions: list[inboxes.Question], temperature: float
+) -> dict:
     """Greedy-free validation: one rollout per question at temperature 1 with fixed seeds (as trained)."""
     trajectories = await artrl.gather_trajectories(
-        (env.rollout(model, inbox, q, seed=1_000_000 + i) for i, q in enumerate(questions)),
+        (
+            env.rollout(model, inbox, q, seed=1_000_000 + i, temperature=temperature)
+            for i, q in enumerate(questions)
+        ),
         pbar=False,
         max_exceptions=0.1,
     )
@@ -68,8 +73,7 @@ async def evaluate(model: artrl.Model, inbox: inboxes.Inbox, questions: list[inb
 
 
 async def stand_in(backend: artrl.LocalBackend, args: argparse.Namespace) -> str:
-    # the tiny model with digits split as Qwen2.5's tokenizer splits them: ids, dates and amounts are copied
-    tiny = str(artrl.ensure_tiny_model(Path(args.path) / "models" / "tiny-digits", "tiny-digits"))
+    tiny = str(artrl.ensure_tiny_model(Path(args.path) / "models" / "tiny"))
     if not args.copy_examples:
         return tiny
     config = artrl.SFTConfig(learning_rate=args.copy_lr, batch_size=16, seed=0)
@@ -114,7 +118,13 @@ def _ruler(args: argparse.Namespace, model: artrl.TrainableModel, questions: dic
     from artrl.rewards import DEFAULT_RUBRIC, ruler_score_group
 
     judge: artrl.Model = model  # the smoke run: the served model judges itself
-    if args.judge_url:
+    if not args.judge_url:
+        print(
+            "--reward ruler without --judge-url: the served model judges its own groups — a smoke run of the "
+            "wiring, not a judge to train with",
+            flush=True,
+        )
+    else:
         judge = artrl.Model(
             name="judge",
             project="email",
@@ -192,13 +202,15 @@ async def _train(
             inference_model_name=args.baseline_model,
             inference_api_key=os.environ.get("BASELINE_API_KEY", "none"),
         )
-        table[f"prompted {args.baseline_model}"] = await evaluate(prompted, val_inbox, val_questions)
+        table[f"prompted {args.baseline_model}"] = await evaluate(
+            prompted, val_inbox, val_questions, args.temperature
+        )
     if warm != base and args.score_base:
         base_model = artrl.TrainableModel(
             name=f"email-base-{int(time.time())}", project="email", base_model=base
         )
         await base_model.register(backend)
-        table["base model, prompted"] = await evaluate(base_model, val_inbox, val_questions)
+        table["base model, prompted"] = await evaluate(base_model, val_inbox, val_questions, args.temperature)
     seconds["baselines"] = time.perf_counter() - t
 
     lora = artrl.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
@@ -207,7 +219,7 @@ async def _train(
     )
     await model.register(backend)
     t = time.perf_counter()
-    points = [(0, await evaluate(model, val_inbox, val_questions))]
+    points = [(0, await evaluate(model, val_inbox, val_questions, args.temperature))]
     seconds["validation"] = time.perf_counter() - t
     print(f"validation at step 0 (warm start): success {points[0][1]['success']:.2f}", flush=True)
     table["warm start (step 0)"] = points[0][1]
@@ -228,7 +240,13 @@ async def _train(
         groups = await artrl.gather_trajectory_groups(
             (
                 artrl.TrajectoryGroup(
-                    env.rollout(model, train_inbox, q, seed=args.seed * 10**7 + step * 1000 + k * 50 + j)
+                    env.rollout(
+                        model,
+                        train_inbox,
+                        q,
+                        seed=args.seed * 10**7 + step * 1000 + k * 50 + j,
+                        temperature=args.temperature,
+                    )
                     for j in range(args.group_size)
                 )
                 for k, q in enumerate(batch)
@@ -243,6 +261,8 @@ async def _train(
         correct = [tr.metrics["correct"] for g in groups for tr in g]
         t = time.perf_counter()
         result = await model.train(groups, config=config) if groups else None
+        if result is None:
+            print(f"step {step + 1}: no group was scored, nothing trained", flush=True)
         seconds["training"] += time.perf_counter() - t
         history.append(
             {
@@ -261,7 +281,7 @@ async def _train(
         )
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
             t = time.perf_counter()
-            points.append((step + 1, await evaluate(model, val_inbox, val_questions)))
+            points.append((step + 1, await evaluate(model, val_inbox, val_questions, args.temperature)))
             seconds["validation"] += time.perf_counter() - t
             print(f"validation at step {step + 1}: success {points[-1][1]['success']:.2f}", flush=True)
     after = points[-1][1]
@@ -297,6 +317,12 @@ async def _train(
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary).write_text(json.dumps(summary, indent=1))
+    if args.curve:
+        from train_agent import plot  # (the maze demo's curve: train reward, validation success and reward)
+
+        val_points = [(s, p["success"], p["reward"]) for s, p in points]
+        plot(history, val_points, Path(args.curve), f"email agent, seed {args.seed}")
+        print(f"curve: {args.curve}")
     return summary
 
 
@@ -307,19 +333,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument(
         "--lr",
         type=float,
         default=None,
-        help="GRPO learning rate (default: 4e-3 on the tiny model's LoRA, 1.2e-5 with --base-model, as ART·E)",
+        help="GRPO learning rate (default: 1e-3 on the tiny model's LoRA, 1.2e-5 with --base-model, as ART·E)",
     )
     p.add_argument("--steps-per-call", type=int, default=2)
     p.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tuning")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of every rollout")
     p.add_argument("--val-size", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--train-messages", type=int, default=4000, help="the RL inbox: 25 messages per question")
+    p.add_argument(
+        "--train-messages",
+        type=int,
+        default=None,
+        help="the RL inbox (25 messages per question; default: a question per group, none asked twice)",
+    )
     p.add_argument("--val-messages", type=int, default=2000, help="25 messages per question")
     p.add_argument(
         "--copy-examples", type=int, default=32768, help="tiny model: the stand-in's size (0: none)"
@@ -329,10 +361,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warm-examples",
         type=int,
         default=None,
-        help="default: 4096 on the tiny model, 0 (none) with --base-model",
+        help="default: 8192 on the tiny model, 0 (none) with --base-model",
     )
     p.add_argument("--warm-lr", type=float, default=3e-3)
-    p.add_argument("--warm-skill", type=float, default=0.35)
+    p.add_argument("--warm-skill", type=float, default=0.2)
     p.add_argument(
         "--score-base", action=argparse.BooleanOptionalAction, default=True, help="validate the base model"
     )
@@ -347,11 +379,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--in-process", action="store_true")
     p.add_argument("--path", default=".artrl")
     p.add_argument("--summary", default=None, help="write the summary as JSON here")
+    p.add_argument("--curve", default=None, help="draw the learning curve here (a PNG)")
     args = p.parse_args(argv)
     if args.lr is None:
-        args.lr = 1.2e-5 if args.base_model else 4e-3
+        args.lr = 1.2e-5 if args.base_model else 1e-3
+    if args.train_messages is None:
+        args.train_messages = max(2000, inboxes.MESSAGES_PER_QUESTION * args.steps * args.groups_per_step)
     if args.warm_examples is None:
-        args.warm_examples = 0 if args.base_model else 4096
+        args.warm_examples = 0 if args.base_model else 8192
     return args
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pydantic import Field
-
 from artrl.config.frozen import _Frozen
 
 
@@ -23,19 +21,12 @@ class TinyModelConfig(_Frozen):
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
-    split_digits: bool = Field(
-        default=False,
-        description="the tokenizer splits every number into single digits, as Qwen2.5's does: a number is the "
-        "same tokens wherever it stands (after a space, a quote or a letter), so copying it is copying tokens",
-    )
     seed: int = 0
 
 
 TINY_MODEL_PRESETS: dict[str, TinyModelConfig] = {
     # ~0.4M parameters: the test and demo model.
     "tiny": TinyModelConfig(),
-    # the test and demo model with digits split (the email agent: its ids, dates and amounts are copied)
-    "tiny-digits": TinyModelConfig(split_digits=True),
     # ~27M parameters: the benchmark model (per-token cost of a real, if small, transformer).
     "small": TinyModelConfig(
         vocab_size=4096,

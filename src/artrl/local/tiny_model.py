@@ -222,14 +222,11 @@ def _corpus(seed: int, n_docs: int = 3000) -> list[str]:
 
 def _train_tokenizer(config: TinyModelConfig):
     """A byte-level BPE tokenizer trained on the generated corpus, wrapped as a transformers tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if config.split_digits:  # each digit its own piece (a space before a number its own piece too)
-        digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
-        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=config.vocab_size - len(MARKUP_TOKENS),
