@@ -1,6 +1,6 @@
 """The email agent (ART·E's task) trained with GRPO until it visibly gets better, on 2 CPU cores or a GPU.
 
-    python examples/email_agent/train.py [--seed 0] [--summary FILE]            # the tiny model, ~10 min
+    python examples/email_agent/train.py [--seed 0] [--summary FILE]   # the tiny model: ~8 min, ~1.5 cached
     python examples/email_agent/train.py --base-model Qwen/Qwen2.5-7B-Instruct --engine vllm --val-size 100
 
 The agent answers questions about an inbox with `search_inbox`, `read_email` and `final_answer` (plain
@@ -9,8 +9,9 @@ another built from disjoint people, facts and ids (`inbox.py`). On the project's
 
 1. a stand-in for pretraining (`copying.py`: multi-token copying in unrelated tool tasks; skipped with
    --base-model), cached under --path/models;
-2. a weak warm start (cached): SFT on a scripted agent's transcripts, each decision right with probability
-   --warm-skill, so the model knows the tools and the format and succeeds only sometimes;
+2. a weak warm start (cached): SFT on a scripted agent's transcripts over inboxes RL never sees, each
+   decision right with probability --warm-skill, so the model knows the tools and the format and succeeds
+   only sometimes;
 3. validation of the base model (prompted only) and of the warm start, then GRPO on a LoRA, validated every
    --eval-every steps and at the end, on questions from the inbox it never trains on.
 
@@ -50,7 +51,7 @@ METRICS = ("correct", "cited", "found", "read", "answered", "calls")
 async def evaluate(
     model: artrl.Model, inbox: inboxes.Inbox, questions: list[inboxes.Question], temperature: float
 ) -> dict:
-    """Greedy-free validation: one rollout per question at temperature 1 with fixed seeds (as trained)."""
+    """One rollout per question, at the rollouts' temperature, with fixed seeds (the same for every point)."""
     trajectories = await artrl.gather_trajectories(
         (
             env.rollout(model, inbox, q, seed=1_000_000 + i, temperature=temperature)
