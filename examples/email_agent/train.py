@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
+import itertools
 import json
 import os
 import random
@@ -90,7 +92,7 @@ async def warm_start(backend: artrl.LocalBackend, base: str, args: argparse.Name
 
     def transcripts() -> list[artrl.Trajectory]:
         rng, out = random.Random(0), []
-        for seed in range(1, 10**6):
+        for seed in itertools.count(1):
             questions = inboxes.build(folder / f"{seed}.sqlite", "train", WARM_INBOX_MESSAGES, seed)
             inbox = inboxes.Inbox(folder / f"{seed}.sqlite")
             out += [
@@ -100,7 +102,7 @@ async def warm_start(backend: artrl.LocalBackend, base: str, args: argparse.Name
             inbox.close()
             if len(out) >= args.warm_examples:
                 return out[: args.warm_examples]
-        raise AssertionError("unreachable")
+        raise AssertionError("itertools.count does not end")
 
     config = artrl.SFTConfig(learning_rate=args.warm_lr, batch_size=16, seed=0)
     key = [
@@ -156,6 +158,12 @@ async def main(args: argparse.Namespace) -> dict:
     )
     train_questions = inboxes.build(train_path, "train", args.train_messages)
     val_questions = inboxes.build(val_path, "val", args.val_messages)[: args.val_size]
+    if len(val_questions) < args.val_size:
+        raise SystemExit(
+            f"--val-size {args.val_size}: the validation inbox of {args.val_messages} messages holds "
+            f"{len(val_questions)} questions (one per {inboxes.MESSAGES_PER_QUESTION} messages); raise "
+            f"--val-messages to {args.val_size * inboxes.MESSAGES_PER_QUESTION}"
+        )
     train_inbox, val_inbox = inboxes.Inbox(train_path), inboxes.Inbox(val_path)
     threads = args.generation_threads or (None if args.base_model else 1)
     async with artrl.LocalBackend(
@@ -167,12 +175,12 @@ async def main(args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         warm = await warm_start(backend, base, args) if args.warm_examples else base
         seconds["warm_start"] = time.perf_counter() - t
-        rl_backend = backend
-        if args.engine != "hf":
-            rl_backend = await artrl.LocalBackend(
-                path=args.path, engine=args.engine, in_process=args.in_process
-            ).__aenter__()
-        try:
+        async with contextlib.AsyncExitStack() as stack:  # (--engine vllm: GRPO's rollouts on vLLM)
+            rl_backend = backend
+            if args.engine != "hf":
+                rl_backend = await stack.enter_async_context(
+                    artrl.LocalBackend(path=args.path, engine=args.engine, in_process=args.in_process)
+                )
             return await _train(
                 args,
                 rl_backend,
@@ -185,9 +193,6 @@ async def main(args: argparse.Namespace) -> dict:
                 seconds,
                 started,
             )
-        finally:
-            if rl_backend is not backend:
-                await rl_backend.__aexit__(None, None, None)
 
 
 async def _train(
