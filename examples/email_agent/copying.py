@@ -4,8 +4,8 @@ unrelated tool tasks.
 A hub model arrives able to copy an id, a date or a code from its context into its next call. The tiny model
 starts from random weights, and the maze's stand-in (`examples/tool_reading.py`) teaches it to copy single
 words only; the email task copies values of 2-7 tokens (`2024-03-15`, `m0412`, `$45,000`). So this stage
-teaches that skill on tools, keys and records that are not the inbox's: look a key up, open the record whose
-name matches it, report one field of the record. Every value is random (digits, dates, times, codes, amounts,
+teaches that skill on tools, keys and records that are not the inbox's: look up a key named anywhere in a
+question (sometimes beside a date), open the record whose name (or date) matches, report one of its fields. Every value is random (digits, dates, times, codes, amounts,
 words), so nothing here can be memorised; only copying helps. The email task itself — which words to search,
 which hit to read, which value answers the question — is left to the warm start and to RL.
 """
@@ -84,19 +84,41 @@ def _schema(name: str, description: str, args: tuple[str, ...]) -> dict:
     }
 
 
+def _date(rng: random.Random) -> str:
+    return f"20{rng.randrange(100):02d}-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}"
+
+
 def conversation(rng: random.Random, index: int) -> artrl.Trajectory:
-    """Look a key up, open the record whose name matches it, report one of its fields (all the teacher's)."""
+    """Look a key up, open the record that matches it, report one of its fields (all the teacher's).
+
+    The question names the key anywhere in it, sometimes beside a date: then the lookup lists records of
+    that key at different dates and the one to open is the record of the question's date; else the lookup
+    lists records of different names and the one to open is the record of the key's name."""
     thing, field = rng.choice(THINGS), rng.choice(FIELDS)
     tools = [
         _schema(f"find_{thing}", f"Find a {thing}.", ("query",)),
         _schema(f"open_{thing}", f"Open a {thing}.", ("ref",)),
         _schema("report", "Report a value.", ("value", "ref")),
     ]
-    key = random_value(rng)
-    records = [(random_value(rng), random_value(rng)) for _ in range(rng.randrange(1, 4))]
-    right = rng.randrange(len(records))
-    records[right] = (records[right][0], key)  # (ref, name): the record named by the key
-    ref = records[right][0]
+    key, date = random_value(rng), _date(rng)
+    form = rng.randrange(4)
+    n = rng.randrange(2, 4) if form in (1, 2) else rng.randrange(1, 4)
+    refs, right = [random_value(rng) for _ in range(n)], rng.randrange(n)
+    if form in (1, 2):  # dated: the same key at different dates
+        dates = [_date(rng) for _ in range(n)]
+        dates[right] = date
+        listed = [{"ref": r, "date": d, "name": f"{thing} {key}"} for r, d in zip(refs, dates, strict=True)]
+    else:
+        names = [random_value(rng) for _ in range(n)]
+        names[right] = key
+        listed = [{"ref": r, "name": nm} for r, nm in zip(refs, names, strict=True)]
+    question = (
+        f"What is the {field} of {thing} {key}?",
+        f"On {date}, what was the {field} of {thing} {key}?",
+        f"What was the {field} of {thing} {key} on {date}?",
+        f"{thing.capitalize()} {key}, filed under {random_value(rng)}: what is its {field}?",
+    )[form]
+    ref = refs[right]
     values = {f: random_value(rng) for f in [field, *rng.sample([f for f in FIELDS if f != field], 2)]}
     text = ". ".join(f"The {f} is {v}" for f, v in rng.sample(list(values.items()), len(values))) + "."
 
@@ -112,9 +134,9 @@ def conversation(rng: random.Random, index: int) -> artrl.Trajectory:
         return {"role": "tool", "tool_call_id": f"call_{index}_{turn}", "content": json.dumps(content)}
 
     messages: list = [
-        {"role": "user", "content": f"What is the {field} of {thing} {key}?"},
+        {"role": "user", "content": question},
         call(0, f"find_{thing}", {"query": f"{thing} {key}"}),
-        result(0, [{"ref": r, "name": n} for r, n in records]),
+        result(0, listed),
         call(1, f"open_{thing}", {"ref": ref}),
         result(1, {"ref": ref, "text": text}),
         call(2, "report", {"value": f"is {values[field]}", "ref": ref}),

@@ -4,7 +4,8 @@ code), and a scripted agent whose transcripts make the warm start.
 Reward (ART·E's shape): a correct answer scores 1 plus partial credit; partial credit is 0.1 each for
 finding the source message in a search, reading it and citing it (at most 0.3, below any correct answer);
 no answer scores the partial credit; a wrong answer scores it minus WRONG_ANSWER_PENALTY (below "I don't
-know"). An answer is correct when it holds the expected value and no other value (`is_correct`): pasting a
+know"); an episode ended by a call that does not parse scores it minus BROKEN_CALL_PENALTY (below a wrong
+answer, as in ART·E, so that breaking the format is never a way out of answering). An answer is correct when it holds the expected value and no other value (`is_correct`): pasting a
 message or every hit holds other values, so it is never correct. The agent has MAX_CALLS model calls; an
 episode that runs out of calls, makes a call that does not parse, or outgrows the model's context ends
 and is scored as it stands.
@@ -24,6 +25,7 @@ import artrl
 
 MAX_CALLS = 5
 WRONG_ANSWER_PENALTY = 0.2
+BROKEN_CALL_PENALTY = 0.4
 PARTIAL_CREDIT = 0.1
 SYSTEM = (
     "You answer questions about the user's email inbox. Search it with search_inbox, read a message with "
@@ -63,14 +65,21 @@ def is_correct(answer: str, question: Question) -> bool:
     return question.answer in found and all(v == question.answer or v in named for v in found)
 
 
-def answer_phrase(body: str, question: Question) -> str | None:
-    """The scripted agent's answer: the first value in a message that the question does not name, with the
-    word before it as the message has it ("on 2024-07-29", "is $42,000")."""
+def answer_phrases(body: str, question: Question) -> list[str]:
+    """The values of a message that the question does not name, each with the word before it as the message
+    has it ("on 2024-07-29", "is $42,000"): in a source message the first is the answer (`inbox.py` writes
+    it so), the others are the values beside it."""
     named = set(values(question.question))
-    for match in re.finditer(rf"(\S+ )({VALUE.pattern})", body):
-        if match.group(2) not in named:
-            return match.group(0)
-    return None
+    return [m.group(0) for m in re.finditer(rf"(\S+ )({VALUE.pattern})", body) if m.group(2) not in named]
+
+
+@dataclass(frozen=True)
+class Skill:
+    """The scripted agent's chance of getting each decision right."""
+
+    search: float  # search the question's key words (else a word of the question)
+    read: float  # read the source among the hits (else another hit)
+    answer: float  # answer with the message's first value (else another of its values)
 
 
 @dataclass
@@ -84,6 +93,7 @@ class Episode:
     read: bool = False  # the agent read it
     answer: str | None = None
     source: str | None = None
+    broken: bool = False  # the episode ended on a call that did not parse
 
     @property
     def done(self) -> bool:
@@ -120,12 +130,13 @@ class Episode:
         partial = PARTIAL_CREDIT * (self.found + self.read + cited)
         correct = self.answer is not None and is_correct(self.answer, self.question)
         if self.answer is None:
-            reward = partial
+            reward = partial - BROKEN_CALL_PENALTY * self.broken
         elif correct:
             reward = 1.0 + partial
         else:
             reward = partial - WRONG_ANSWER_PENALTY
         metrics = {"correct": correct, "cited": cited, "found": self.found, "read": self.read}
+        metrics |= {"broken": self.broken}
         return reward, {k: float(v) for k, v in metrics.items()} | {
             "answered": float(self.answer is not None),
             "calls": float(self.calls),
@@ -169,6 +180,7 @@ async def rollout(
         traj.messages_and_choices.append(choice)
         if not choice.message.tool_calls:
             traj.metadata["ended"] = "a call that did not parse"
+            episode.broken = True
             break
         for call in choice.message.tool_calls:
             result = episode.call(call.function.name, call.function.arguments)
@@ -180,11 +192,12 @@ async def rollout(
 
 
 def scripted_transcript(
-    inbox: Inbox, question: Question, rng: random.Random, index: int, skill: float
+    inbox: Inbox, question: Question, rng: random.Random, index: int, skill: Skill
 ) -> artrl.Trajectory:
-    """A weak agent's transcript, for the warm start: well-formed calls, each decision right with
-    probability `skill` — search the question's key words (else another word of the question), read the
-    source among the hits (else another hit), answer with the message's value and cite it."""
+    """A weak agent's transcript, for the warm start: well-formed calls, each decision right with its
+    probability in `skill` — search the question's key words (else another word of the question), read the
+    source among the hits (else another hit), answer with the message's first value (else another of its
+    values) and cite the message read."""
     traj = start(question)
     episode = Episode(inbox, question)
     hits: list[dict] = []
@@ -204,17 +217,24 @@ def scripted_transcript(
         traj.messages_and_choices.append({"role": "tool", "tool_call_id": call_id, "content": result})
         return result
 
-    other_words = [w for w in re.findall(r"[A-Za-z]+", question.question) if w not in question.search.split()]
+    key_words = question.search.lower().replace("-", " ").split()
+    other_words = [w for w in re.findall(r"[A-Za-z]+", question.question) if w.lower() not in key_words]
     while not hits and episode.calls < MAX_CALLS - 2:
-        keywords = question.search if rng.random() < skill else rng.choice(other_words).lower()
+        keywords = question.search if rng.random() < skill.search else rng.choice(other_words).lower()
         hits = json.loads(act("search_inbox", {"keywords": keywords}))
     if hits:
         ids = [h["id"] for h in hits]
-        right = question.source_id in ids and rng.random() < skill
+        right = question.source_id in ids and rng.random() < skill.read
         others = [i for i in ids if i != question.source_id] or ids
         chosen = question.source_id if right else rng.choice(others)
-        message = json.loads(act("read_email", {"message_id": chosen}))
-        answer = answer_phrase(message.get("body", ""), question) or "I don't know"
+        phrases = answer_phrases(
+            json.loads(act("read_email", {"message_id": chosen})).get("body", ""), question
+        )
+        answer = "I don't know"
+        if phrases:
+            answer = (
+                phrases[0] if rng.random() < skill.answer or len(phrases) == 1 else rng.choice(phrases[1:])
+            )
         act("final_answer", {"answer": answer, "source_id": chosen})
     traj.reward, traj.metrics = episode.score()
     return traj

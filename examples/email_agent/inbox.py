@@ -140,11 +140,11 @@ def generate(
                 f"What time does flight {number} to {city} leave?", time, mid, "easy", f"flight {number}"
             )
         elif kind == 2:  # easy: a project's budget
-            project, budget = f"{rng.choice(pool.projects)}-{number}", f"${rng.randrange(5, 95)},000"
+            project, budget = f"project {number}", f"${rng.randrange(5, 95)},000"
             before = f"${rng.randrange(5, 95)},500"
             body = f"The approved budget for {project} is {budget}, up from {before} last year."
-            mid = add(f"{project} budget", body, day)
-            question(f"What is the approved budget for {project}?", budget, mid, "easy", f"budget {number}")
+            mid = add(f"Budget for {project} ({rng.choice(pool.projects)})", body, day)
+            question(f"What is the approved budget for {project}?", budget, mid, "easy", project)
         elif kind == 3:  # hard: the code set on a given date (not the newest: the first hit is wrong)
             codes = rng.sample(range(10000, 100000), 4)
             ids = [
@@ -158,20 +158,18 @@ def generate(
             codes = codes[1:]
             i = rng.randrange(2)  # the oldest or the middle one
             date = messages[-3 + i]["date"]
-            text = f"What was the code for lab {number} set on {date}?"
+            text = f"On {date}, what code was set for lab {number}?"
             question(text, str(codes[i]), ids[i], "hard", f"lab {number}")
         else:  # hard: a budget proposed, then revised in a reply; asked: the first proposal
-            project = f"{rng.choice(pool.projects)}-{number}"
+            project = f"project {number}"
             proposed, revised = (f"${v},000" for v in rng.sample(range(5, 95), 2))
             a, b = person(), person()
-            subject = f"Proposal for {project}"
+            subject = f"Proposal for {project} ({rng.choice(pool.projects)})"
             travel = f"${rng.randrange(1, 5)},000"
             body = f"We propose a budget of {proposed} for {project}, with {travel} of it for travel."
             mid = add(subject, body, day, a, b)
             add(f"Re: {subject}", f"Revised budget: {project} gets {revised} instead.", day + 3, b, a)
-            question(
-                f"What budget was first proposed for {project}?", proposed, mid, "hard", f"budget {number}"
-            )
+            question(f"What budget was first proposed for {project}?", proposed, mid, "hard", project)
     while len(messages) < n_messages:  # ordinary mail, some of it in threads
         subject, day, sender, to = rng.choice(FILLER_SUBJECTS), rng.randrange(330), person(), person()
         body = " ".join(rng.sample(FILLER_LINES, 2))

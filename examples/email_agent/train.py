@@ -47,7 +47,7 @@ from sft_cache import sft_stage
 import artrl
 
 WARM_INBOX_MESSAGES = 1000  # the warm start's inboxes (seeds 1, 2, ...; RL trains on seed 0's)
-METRICS = ("correct", "cited", "found", "read", "answered", "calls")
+METRICS = ("correct", "cited", "found", "read", "answered", "broken", "calls")
 
 
 async def evaluate(
@@ -96,7 +96,7 @@ async def warm_start(backend: artrl.LocalBackend, base: str, args: argparse.Name
             questions = inboxes.build(folder / f"{seed}.sqlite", "train", WARM_INBOX_MESSAGES, seed)
             inbox = inboxes.Inbox(folder / f"{seed}.sqlite")
             out += [
-                env.scripted_transcript(inbox, q, rng, len(out) + i, args.warm_skill)
+                env.scripted_transcript(inbox, q, rng, len(out) + i, env.Skill(*args.warm_skill))
                 for i, q in enumerate(questions)
             ]
             inbox.close()
@@ -370,7 +370,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="default: 8192 on the tiny model, 0 (none) with --base-model",
     )
     p.add_argument("--warm-lr", type=float, default=3e-3)
-    p.add_argument("--warm-skill", type=float, default=0.2)
+    p.add_argument(
+        "--warm-skill",
+        type=float,
+        nargs=3,
+        default=(0.2, 0.3, 1.0),
+        metavar=("SEARCH", "READ", "ANSWER"),
+        help="the scripted agent's chance of the right search, the right hit read, the right value answered",
+    )
     p.add_argument(
         "--score-base", action=argparse.BooleanOptionalAction, default=True, help="validate the base model"
     )
