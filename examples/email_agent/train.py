@@ -9,9 +9,9 @@ another built from disjoint people, facts and ids (`inbox.py`). On the project's
 
 1. a stand-in for pretraining (`copying.py`: multi-token copying in unrelated tool tasks; skipped with
    --base-model), cached under --path/models;
-2. a weak warm start (cached): SFT on a scripted agent's transcripts over inboxes RL never sees, each
-   decision right with probability --warm-skill, so the model knows the tools and the format and succeeds
-   only sometimes;
+2. a weak warm start (cached): SFT on a scripted agent's transcripts over inboxes RL never sees, its
+   search, the hit it reads and the value it answers each right with its probability in --warm-skill, so
+   the model knows the tools and the format and succeeds only sometimes;
 3. validation of the base model (prompted only) and of the warm start, then GRPO on a LoRA, validated every
    --eval-every steps and at the end, on questions from the inbox it never trains on.
 
