@@ -8,6 +8,7 @@ bash scripts/setup_browser.sh  # Debian's chromium for the dashboard's browser t
 .venv/bin/ruff check src tests examples benchmarks
 # -m "": every tier (pyproject's addopts select the fast one for a plain `pytest`); one pytest-xdist worker
 # per core this process may use (`nproc`: taskset counts), each test file on one worker (--dist loadfile: a
-# module's fixtures, such as its vLLM server, start once); the 30 slowest: where CI time goes
+# module's fixtures, such as its vLLM server, start once), the files in conftest's order (a `longest` test's
+# first, then the most tests first); the 30 slowest: where CI time goes
 workers=${ARTRL_TEST_WORKERS:-$(nproc)}
-.venv/bin/python -m pytest -q -m "" -n "$workers" --dist loadfile --durations=30 "$@"
+.venv/bin/python -m pytest -q -m "" -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 "$@"

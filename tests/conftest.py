@@ -16,6 +16,20 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a test marked `longest` first, then the others by their number of tests, most first
+    (pytest-xdist's own order, which scripts/test.sh turns off with --no-loadscope-reorder to keep this
+    one): with --dist loadfile a worker then starts the longest test at once while the others share the
+    rest, instead of one worker finishing it alone at the end."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    ranked = sorted(
+        files.values(), key=lambda its: (not any(i.get_closest_marker("longest") for i in its), -len(its))
+    )
+    items[:] = [item for its in ranked for item in its]
+
+
 def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """A folder every pytest-xdist worker of this session sees (without xdist: this session's own), for what
     the workers build once and share (FileLock around each thing built in it)."""

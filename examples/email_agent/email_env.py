@@ -5,10 +5,10 @@ Reward (ART·E's shape): a correct answer scores 1 plus partial credit; partial 
 finding the source message in a search, reading it and citing it (at most 0.3, below any correct answer);
 no answer scores the partial credit; a wrong answer scores it minus WRONG_ANSWER_PENALTY (below "I don't
 know"); an episode ended by a call that does not parse scores it minus BROKEN_CALL_PENALTY (below a wrong
-answer, as in ART·E, so that breaking the format is never a way out of answering). An answer is correct when it holds the expected value and no other value (`is_correct`): pasting a
-message or every hit holds other values, so it is never correct. The agent has MAX_CALLS model calls; an
-episode that runs out of calls, makes a call that does not parse, or outgrows the model's context ends
-and is scored as it stands.
+answer, as in ART·E: breaking the format is never a way out of answering). An answer is correct when it
+holds the expected value and no other value (`is_correct`): pasting a message or every hit holds other
+values, so it is never correct. The agent has MAX_CALLS model calls; an episode that runs out of calls or
+outgrows the model's context ends and is scored as it stands.
 """
 
 from __future__ import annotations

@@ -227,8 +227,9 @@ async def _train(
     t = time.perf_counter()
     points = [(0, await evaluate(model, val_inbox, val_questions, args.temperature))]
     seconds["validation"] = time.perf_counter() - t
-    print(f"validation at step 0 (warm start): success {points[0][1]['success']:.2f}", flush=True)
-    table["warm start (step 0)"] = points[0][1]
+    start = "warm start" if warm != base else "the base model, prompted"
+    print(f"validation at step 0 ({start}): success {points[0][1]['success']:.2f}", flush=True)
+    table[f"{start} (step 0)"] = points[0][1]
 
     rng = random.Random(args.seed)
     order = [
