@@ -6,7 +6,6 @@ recipe end to end, and a shortened run of it that must learn."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -167,8 +166,6 @@ def test_the_recipe_learns(tmp_path, demo_models):
             capture_output=True,
             text=True,
             timeout=1500,
-            env=os.environ
-            | {"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))},  # (the cores others idle)
         )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(summary.read_text())
