@@ -1,6 +1,6 @@
 """The email agent (ART·E's task) trained with GRPO until it visibly gets better, on 2 CPU cores or a GPU.
 
-    python examples/email_agent/train.py [--seed 0] [--summary FILE]   # the tiny model: ~8 min, ~1.5 cached
+    python examples/email_agent/train.py [--seed 0] [--summary FILE]   # the tiny model: ~9 min, ~1.5 cached
     python examples/email_agent/train.py --base-model Qwen/Qwen2.5-7B-Instruct --engine vllm --val-size 100
 
 The agent answers questions about an inbox with `search_inbox`, `read_email` and `final_answer` (plain
