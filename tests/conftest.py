@@ -42,7 +42,7 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from artrl.local.tiny_model import build_tiny_model
+    from artrl.local.models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
@@ -59,9 +59,9 @@ ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory):
-    """family name -> the folder of its tiny fixture model (artrl.local.family_models), built on first use,
+    """family name -> the folder of its tiny fixture model (artrl.local.families.family_models), built on first use,
     once for all workers (30-70 s each)."""
-    from artrl.local.family_models import build_family_model
+    from artrl.local.families.family_models import build_family_model
 
     shared = shared_folder(tmp_path_factory, "family")
 
@@ -142,7 +142,7 @@ def scripted(tokenizer):
     from fakes import ScriptedEngine
 
     from artrl.config import EngineConfig, GatewayConfig
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     engine = ScriptedEngine()
     service = LocalService.serve("scripted", None, tokenizer, engine, EngineConfig(), GatewayConfig())

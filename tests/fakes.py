@@ -10,8 +10,8 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-from artrl.local.engine import SequenceStream
-from artrl.local.sampling import SamplingParams, TokenChoice
+from artrl.local.engine.contract import SequenceStream
+from artrl.local.engine.hf.sampling import SamplingParams, TokenChoice
 
 
 @dataclass

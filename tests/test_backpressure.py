@@ -10,15 +10,15 @@ import pytest
 from fakes import SlowEngine, aborted
 
 from artrl.config import EngineConfig, GatewayConfig
-from artrl.local.engine_hf import HFEngine
-from artrl.local.sampling import SamplingParams
+from artrl.local.engine.hf.engine import HFEngine
+from artrl.local.engine.hf.sampling import SamplingParams
 
 BODY = {"model": "slow", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2000}
 
 
 @pytest.fixture
 def slow(tokenizer):
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     def serve(engine: SlowEngine | None = None, **gateway):
         engine = engine or SlowEngine()

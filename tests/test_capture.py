@@ -14,7 +14,7 @@ from test_continuation_golden import TOOLS  # the shop's one tool, as the golden
 
 import artrl
 from artrl.config import EngineConfig, GatewayConfig
-from artrl.local.rows import trajectory_rows
+from artrl.local.train.rows import trajectory_rows
 
 
 async def agent(
@@ -199,7 +199,7 @@ async def test_scripted_tool_calls_and_api_key(tokenizer):
     """Deterministic tool calls (scripted engine) on a keyed gateway: the key guards the capture routes."""
     from fakes import ScriptedEngine
 
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     engine = ScriptedEngine()
     service = LocalService.serve(
@@ -273,7 +273,7 @@ async def test_a_lost_answer_to_opening_or_closing_is_asked_again(tokenizer, cap
     second close returns the records the first one took (the gateway keeps them for a grace period)."""
     from fakes import ScriptedEngine
 
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     engine = ScriptedEngine()
     service = LocalService.serve("scripted", None, tokenizer, engine, EngineConfig(), GatewayConfig())

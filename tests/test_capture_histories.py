@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from artrl import Trajectory
-from artrl.capture_histories import trajectory_from_records
+from artrl.capturing.histories import trajectory_from_records
 from artrl.config import GatewayConfig
 from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.protocol import RequestError
-from artrl.local.rows import trajectory_rows
+from artrl.local.train.rows import trajectory_rows
 
 SYSTEM = {"role": "system", "content": "main agent"}
 USER = {"role": "user", "content": "q"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from artrl.cli import main
-from artrl.local.family_models import FAMILY_MODELS
+from artrl.local.families.family_models import FAMILY_MODELS
 
 pytestmark = pytest.mark.slow  # builds the family models
 DOCS = (Path(__file__).parent.parent / "docs" / "model-families.md").read_text()

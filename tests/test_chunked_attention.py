@@ -1,4 +1,4 @@
-"""The training attention (local/chunked_attention.py): outputs and gradients equal plain attention's (fp64,
+"""The training attention (local/kernels/chunked_attention.py): outputs and gradients equal plain attention's (fp64,
 through autograd) for causal and masked attention, grouped heads, one chunk or many, probabilities kept or
 recomputed, in fp32 and bf16; rows that see nothing stay finite and give no gradient."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import artrl.local.chunked_attention as chunked
-from artrl.local.chunked_attention import chunked_attention
+import artrl.local.kernels.chunked_attention as chunked
+from artrl.local.kernels.chunked_attention import chunked_attention
 
 
 def _plain(query, key, value, mask, scale):  # (B, H, q, D), (B, H_kv, T, D) x2 -> (B, q, H, D), in fp64
@@ -120,7 +120,7 @@ def test_bf16_training_in_each_architecture_equals_sdpa(architecture, left_padde
     with a left-padded mask, sliding windows (Mistral) and a query-pre-attention scale (Gemma 3) included."""
     import transformers as tf
 
-    from artrl.local.cpu_attention import NAME, use_cpu_attention
+    from artrl.local.kernels.cpu_attention import NAME, use_cpu_attention
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
     shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)

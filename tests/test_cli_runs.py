@@ -20,7 +20,7 @@ import torch
 
 import artrl
 from artrl.cli import main
-from artrl.history_table import format_value, table
+from artrl.history.tables import format_value, table
 
 PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
 GREEDY = {"messages": PROMPT, "max_tokens": 8, "temperature": 0.0}

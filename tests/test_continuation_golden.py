@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from artrl import Trajectory
-from artrl.local.rows import trajectory_rows
+from artrl.local.train.rows import trajectory_rows
 
 SYSTEM = "You are a shop assistant."
 TOOLS = [

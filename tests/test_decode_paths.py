@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from artrl.local.chunked_attention import chunked_attention
-from artrl.local.cpu_attention import NAME, cpu_attention, decode_attention, use_cpu_attention
-from artrl.local.merged_lora import MergedLora
+from artrl.local.kernels.chunked_attention import chunked_attention
+from artrl.local.kernels.cpu_attention import NAME, cpu_attention, decode_attention, use_cpu_attention
+from artrl.local.kernels.merged_lora import MergedLora
 
 
 class _Heads(torch.nn.Module):

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import artrl
-from artrl.local.family_models import FIXTURE_TOOLS
+from artrl.local.families.family_models import FIXTURE_TOOLS
 
 pytestmark = pytest.mark.slow  # builds the family's tiny model (~15 s)
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}

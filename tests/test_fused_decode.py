@@ -13,12 +13,12 @@ import torch
 from transformers import DynamicCache
 
 from artrl.config import EngineConfig
-from artrl.local.cpu_attention import use_cpu_attention
-from artrl.local.engine_hf import HFEngine
-from artrl.local.fused_decode import FusedDecode
-from artrl.local.kv_cache import BatchCache
-from artrl.local.merged_lora import MergedLora
-from artrl.local.sampling import SamplingParams
+from artrl.local.engine.hf.engine import HFEngine
+from artrl.local.engine.hf.fused_decode import FusedDecode
+from artrl.local.engine.hf.kv_cache import BatchCache
+from artrl.local.engine.hf.sampling import SamplingParams
+from artrl.local.kernels.cpu_attention import use_cpu_attention
+from artrl.local.kernels.merged_lora import MergedLora
 
 SHAPE = dict(
     vocab_size=300,
@@ -181,7 +181,7 @@ def test_other_layouts_keep_the_transformers_forward(caplog):
     sliding = tf.MistralForCausalLM(tf.MistralConfig(**SHAPE, sliding_window=16))
     gelu = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPE, hidden_act="gelu"))
     gemma = tf.Gemma2ForCausalLM(tf.Gemma2Config(**SHAPE))
-    with caplog.at_level(logging.INFO, logger="artrl.local.fused_decode"):
+    with caplog.at_level(logging.INFO, logger="artrl.local.engine.hf.fused_decode"):
         assert [FusedDecode.of(m) for m in (sliding, gelu, gemma)] == [None, None, None]
     assert "sliding-window" in caplog.text and "activation 'gelu'" in caplog.text
 

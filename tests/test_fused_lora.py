@@ -1,4 +1,4 @@
-"""The fused LoRA linear (local/fused_lora.py): the same logprobs and gradients as PEFT's layer forward, in
+"""The fused LoRA linear (local/train/fused_lora.py): the same logprobs and gradients as PEFT's layer forward, in
 fp32 and in bf16 under autocast; PEFT's modules back after every training call; PEFT's state followed."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import torch
 from tolerances import assert_same_adamw_update
 
 import artrl
-from artrl.local.fused_lora import FusedLoraLinear, FusedLoraTraining, fusable
-from artrl.local.logprobs import token_logprobs
-from artrl.local.pack import collate
-from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter
+from artrl.local.train.fused_lora import FusedLoraLinear, FusedLoraTraining, fusable
+from artrl.local.train.logprobs import token_logprobs
+from artrl.local.train.pack import collate
+from artrl.local.train.rows import Row
+from artrl.local.train.trainer import Trainer, attach_adapter
 
 
 def lora_model(folder, dtype: torch.dtype = torch.float32, lora: artrl.LoraConfig | None = None):
@@ -81,7 +81,7 @@ def test_bf16_under_autocast_stays_within_bf16_rounding_of_peft(tiny_model_dir):
 
 def test_the_function_alone_matches_autograd_in_fp64():
     """_LoraLinear's hand-written backward against autograd through the plain expression (gradcheck)."""
-    from artrl.local.fused_lora import _LoraLinear
+    from artrl.local.train.fused_lora import _LoraLinear
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
@@ -118,7 +118,7 @@ def test_a_training_call_leaves_peft_modules_and_changes_every_adapter_weight(ti
     """Trainer(fused_lora=True): during the step the layers are FusedLoraLinear, after it PEFT's own again
     (same module tree, same state dict keys); every trainable parameter moved, and each by what PEFT's
     forward would have moved it (the same first AdamW step from the same gradients' signs)."""
-    from artrl.local.batch import TrainingBatch
+    from artrl.local.train.batch import TrainingBatch
 
     results = {}
     for fused in (False, True):
@@ -156,7 +156,7 @@ def test_layers_peft_computes_otherwise_are_left_to_peft(tiny_model_dir, lora):
 
 def test_an_adapted_lm_head_trains_fused(tiny_model_dir):
     """A LoRA on the lm_head too: the trainer reads the head's weight (through the swapped module)."""
-    from artrl.local.batch import TrainingBatch
+    from artrl.local.train.batch import TrainingBatch
 
     lora = artrl.LoraConfig(target_modules=("q_proj", "v_proj", "lm_head"))
     model = lora_model(tiny_model_dir, lora=lora)

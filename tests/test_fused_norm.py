@@ -1,4 +1,4 @@
-"""The fused RMS norm (local/fused_norm.py): the model's own output bit for bit, its gradients to rounding, in
+"""The fused RMS norm (local/train/fused_norm.py): the model's own output bit for bit, its gradients to rounding, in
 fp32 and bf16; swapped in for a training call and back after it; a norm computing anything else left alone."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import artrl
-from artrl.local.fused_norm import FusedNormTraining, FusedRMSNorm, fusable
-from artrl.local.logprobs import token_logprobs
-from artrl.local.pack import collate
-from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter
+from artrl.local.train.fused_norm import FusedNormTraining, FusedRMSNorm, fusable
+from artrl.local.train.logprobs import token_logprobs
+from artrl.local.train.pack import collate
+from artrl.local.train.rows import Row
+from artrl.local.train.trainer import Trainer, attach_adapter
 
 
 def qwen3_norm(hidden: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -118,7 +118,7 @@ def test_a_models_logprobs_equal_and_gradients_close(tiny_model_dir, dtype, lora
 
 
 def test_a_training_call_uses_the_fused_norms_and_puts_the_models_own_back(tiny_model_dir):
-    from artrl.local.batch import TrainingBatch
+    from artrl.local.train.batch import TrainingBatch
 
     model, rows = model_and_rows(tiny_model_dir, torch.float32, lora=True)
     types = [type(m) for m in model.modules()]

@@ -69,7 +69,7 @@ def gateway(tokenizer):
     from fakes import InstantEngine
 
     from artrl.config import EngineConfig, GatewayConfig
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     service = LocalService.serve("fuzz", None, tokenizer, InstantEngine(), EngineConfig(), GatewayConfig())
     with httpx.Client(base_url=service.base_url, timeout=30) as client:

@@ -414,7 +414,7 @@ async def test_api_key_is_required_on_v1_routes_only(tokenizer):
     from fakes import ScriptedEngine
 
     from artrl.config import EngineConfig, GatewayConfig
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     script = [*tokenizer("hello there", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
     engine = ScriptedEngine(scripts=[list(script)])
@@ -563,7 +563,7 @@ async def test_a_huge_prompt_does_not_stall_the_gateway(tokenizer):
     from fakes import ScriptedEngine
 
     from artrl.config import EngineConfig, GatewayConfig
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     held, release = threading.Event(), threading.Event()
     service = LocalService.serve(

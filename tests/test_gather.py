@@ -15,8 +15,9 @@ import pytest
 from openai.types.chat.chat_completion import Choice
 
 import artrl
+import artrl.rollouts.gather
 from artrl import Trajectory, TrajectoryGroup
-from artrl.retry import backoff_delay
+from artrl.rollouts.retry import backoff_delay
 
 
 async def rollout(reward: float, delay: float = 0.0) -> Trajectory:
@@ -50,7 +51,7 @@ def _started_here(task: asyncio.Task) -> bool:
     code = getattr(task.get_coro(), "cr_code", None)
     return code is not None and Path(code.co_filename).resolve() in {
         Path(__file__).resolve(),
-        Path(artrl.gather.__file__).resolve(),
+        Path(artrl.rollouts.gather.__file__).resolve(),
     }
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from artrl.local.idle_thread import IdleEndingExecutor
+from artrl.local.concurrency.idle_thread import IdleEndingExecutor
 
 
 def test_tasks_run_in_order_on_one_thread_that_ends_when_idle_and_restarts():

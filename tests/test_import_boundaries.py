@@ -1,9 +1,12 @@
-"""The house plan, checked from the source: the light package pulls nothing heavy at import time, and every
-import (lazy ones included) points to the same layer or a lower one (design.md §4)."""
+"""The house plan, read from the tree (docs/design-notes.md): the light package pulls nothing heavy at import
+time, and in every folder the parts (its modules and subfolders) import one another without a cycle, so
+each folder's parts stack in layers that the imports themselves define. No list of layers is kept by hand:
+a new module joins the layer its imports give it, and the test fails on the import that closes a loop."""
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 SRC = Path(__file__).parent.parent / "src"
@@ -11,89 +14,15 @@ HEAVY = (
     *("torch", "transformers", "peft", "fastapi", "uvicorn", "trl", "artrl.local"),
     *("wandb", "tensorboard", "trackio"),  # experiment trackers: imported only when a model reports to them
 )
-
-# layer of each module (a package's modules share its layer unless listed); imports may only point down
-LAYERS: dict[str, int] = {
-    "artrl.trajectory": 0,
-    "artrl.config": 0,
-    "artrl.canonical": 0,
-    "artrl.art_names": 0,  # ART's names for artrl's settings (pure translation)
-    "artrl.random_ids": 0,  # unique ids without a system call each (stdlib)
-    "artrl.storage": 1,
-    "artrl.retry": 1,
-    "artrl.dataset": 1,
-    "artrl.capture_histories": 1,
-    "artrl.model": 1,
-    "artrl.prompted_model": 1,  # artrl.Model: a prompted model on any OpenAI-compatible endpoint
-    "artrl.capturing": 1,
-    "artrl.gather": 1,
-    "artrl.rewards": 1,
-    "artrl.mcp_tools": 1,
-    "artrl.langchain_model": 1,
-    "artrl.retention": 1,
-    "artrl.trackers": 1,
-    "artrl.history_table": 1,
-    "artrl.local.chat_template": 2,
-    "artrl.local.sampling": 2,
-    "artrl.local.engine": 2,
-    "artrl.local.advantages": 2,
-    "artrl.local.loss": 2,
-    "artrl.local.pack": 2,
-    "artrl.local.chat_format": 2,
-    "artrl.local.rows": 2,
-    "artrl.local.run_folder": 2,  # a saved run read back (model.json, checkpoints): stdlib + storage
-    "artrl.local.loading": 3,
-    "artrl.local.tiny_model": 3,
-    "artrl.local.batch": 3,
-    "artrl.local.trainer": 3,
-    "artrl.local.trainer_rank": 3,  # one FSDP2 trainer process (started by trainer_ranks)
-    "artrl.local.trainer_ranks": 3,  # the trainer processes, seen from the main process
-    "artrl.local.row_shards": 2,  # which rows each trainer rank trains
-    "artrl.local.engine_hf": 3,
-    "artrl.local.running_batch": 2,  # the running batch's prefill and decode steps (engine_hf's)
-    "artrl.local.kv_cache": 2,
-    "artrl.local.prefix_cache": 2,
-    "artrl.local.cpu_attention": 2,  # an attention function registered with transformers
-    "artrl.local.chunked_attention": 2,  # the training attention: one autograd function (pure torch)
-    "artrl.local.merged_lora": 2,  # inference weights with the LoRA folded in
-    "artrl.local.fused_decode": 2,  # the decode step without the module tree
-    "artrl.local.scripted_layers": 2,  # its layers as TorchScript functions (pure torch)
-    "artrl.local.fused_lora": 2,  # LoRA linears trained through one autograd function each
-    "artrl.local.fused_norm": 2,  # RMS norms trained through one autograd function each
-    "artrl.local.logprobs": 2,  # the trainer's forward: logprobs at trainable positions, shared prompts
-    "artrl.local.idle_thread": 2,  # an executor whose one thread ends when idle (stdlib)
-    "artrl.local.in_process": 2,  # an httpx transport to the gateway in the same process
-    "artrl.local.engine_vllm": 3,
-    "artrl.local.vllm_server": 3,
-    "artrl.local.vllm_replicas": 3,  # the servers behind one gateway, what they must serve
-    "artrl.local.vllm_supervisor": 3,  # a replica's state; the thread that keeps them alive
-    "artrl.local.vllm_completions": 3,  # vLLM's /v1/completions on the wire
-    "artrl.local.replica_router": 2,  # which replica serves a request, from token ids (pure)
-    "artrl.local.server": 3,
-    "artrl.local.gateway": 3,
-    "artrl.local.family_models": 3,
-    "artrl.local.hf_export": 3,
-    "artrl.local.template_check": 4,
-    "artrl.local.service": 4,
-    "artrl.local.checkpoints": 4,
-    "artrl.local.serve_run": 4,
-    "artrl.local.row_renderer": 4,  # train_sft's rows rendered in worker processes too
-    "artrl.local.render_worker": 2,  # one such worker process (rows through the chat template)
-    "artrl.local.backend": 5,
-    "artrl.local.service_child": 5,  # the service process of LocalBackend(in_process=False): a LocalBackend
-    "artrl.local.service_process": 4,  # that process, seen from the user's (pipes, frames; no torch)
-    "artrl.local.step_commits": 4,  # a trained step's checkpoint, weights to the engine, history row
-    "artrl.local.shielded": 2,
-    "artrl.local.piped_process": 2,  # a `python -m` child over two pipes of pickles (stdlib)
-    "artrl.local.torch_threads": 2,  # torch's thread count: the default, set back by threads that train  # work a cancelled caller still waits for (stdlib)
-    "artrl.tiny": 5,
-    "artrl.cli": 5,
-    "artrl.local.dashboard": 5,  # a local web app over run folders (fastapi, uvicorn, a tokenizer)
-    "artrl": 6,  # the package's __init__: re-exports
+MAX_MODULES_PER_FOLDER = 15
+NEVER = {  # parts that must not know each other in either direction: the service wires them
+    ("artrl.local.gateway", "artrl.local.train"),
+    ("artrl.local.engine", "artrl.local.train"),
 }
 
 
 def modules() -> dict[str, Path]:
+    """Every module by dotted name; a package is named by its folder (its __init__.py)."""
     out = {}
     for path in (SRC / "artrl").rglob("*.py"):
         parts = path.relative_to(SRC).with_suffix("").parts
@@ -101,35 +30,33 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def layer(module: str) -> int | None:
-    while module:
-        if module in LAYERS:
-            return LAYERS[module]
-        module = module.rpartition(".")[0]
-    return None
+KNOWN = modules()
+PACKAGES = {m for m, p in KNOWN.items() if p.name == "__init__.py"}
+
+
+def resolve(name: str) -> str | None:
+    """The module an imported name loads: the longest known prefix (`pkg.mod.Class` -> `pkg.mod`)."""
+    while name and name not in KNOWN:
+        name = name.rpartition(".")[0]
+    return name or None
 
 
 def imports(path: Path, module_level_only: bool) -> list[tuple[str, int]]:
-    """(imported module, line) of a file; with module_level_only, the imports that run at import time."""
+    """(imported name, line) of a file, `from a import b` giving `a.b`; with module_level_only, only the
+    imports that run at import time. Imports under `if TYPE_CHECKING:` are annotations and never count."""
     tree = ast.parse(path.read_text())
     found = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue  # annotations only
+                continue
             inside = top and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-            if isinstance(child, ast.Import):
-                found.extend(
-                    (alias.name, child.lineno) for alias in child.names if top or not module_level_only
-                )
-            elif (
-                isinstance(child, ast.ImportFrom)
-                and child.module
-                and child.level == 0
-                and (top or not module_level_only)
-            ):
-                found.append((child.module, child.lineno))
+            if top or not module_level_only:
+                if isinstance(child, ast.Import):
+                    found.extend((alias.name, child.lineno) for alias in child.names)
+                elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                    found.extend((f"{child.module}.{alias.name}", child.lineno) for alias in child.names)
             if inside or not module_level_only:
                 visit(child, inside)
 
@@ -137,59 +64,108 @@ def imports(path: Path, module_level_only: bool) -> list[tuple[str, int]]:
     return found
 
 
-def test_every_module_has_a_layer():
-    assert [m for m in modules() if layer(m) is None] == []
+def package_of(module: str) -> str:
+    return module if module in PACKAGES else module.rpartition(".")[0]
+
+
+def part_edges() -> tuple[dict[str, dict[str, set[str]]], list[str]]:
+    """For each folder, which of its parts import which (lazy imports included), and the imports that
+    reach back into an enclosing package's own __init__ (a part leaning on the facade above it)."""
+    edges: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    back = []
+    for module, path in KNOWN.items():
+        for name, line in imports(path, module_level_only=False):
+            target = resolve(name) if name.startswith("artrl") else None
+            if target is None or target == module:
+                continue
+            if target in PACKAGES and (package_of(module) + ".").startswith(target + "."):
+                if module != "artrl":
+                    back.append(f"{path.relative_to(SRC)}:{line} imports {target}, a package it is inside")
+                continue
+            a, b = module.split("."), target.split(".")
+            common = 0
+            while common < min(len(a), len(b)) and a[common] == b[common]:
+                common += 1
+            if common == len(a):  # a package's __init__ importing its own parts: it sits above them
+                continue
+            folder = ".".join(a[:common])
+            edges[folder][".".join(a[: common + 1])].add(".".join(b[: common + 1]))
+    return edges, back
+
+
+def cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def layers(folder: str) -> list[list[str]]:
+    """A folder's parts bottom-up: each layer imports only the layers below it (for reading the plan:
+    `python -c "from tests.test_import_boundaries import layers; print(layers('artrl.local'))"`)."""
+    graph = part_edges()[0][folder]
+    parts = {m for m in KNOWN if m.rpartition(".")[0] == folder and m != folder}
+    placed: list[list[str]] = []
+    done: set[str] = set()
+    while parts - done:
+        layer = sorted(p for p in parts - done if graph.get(p, set()) <= done)
+        assert layer, f"a cycle among {sorted(parts - done)}"
+        placed.append(layer)
+        done |= set(layer)
+    return placed
 
 
 def test_the_light_package_imports_nothing_heavy_at_import_time():
-    light = {m: p for m, p in modules().items() if not m.startswith("artrl.local")}
     offending = [
         f"{p.relative_to(SRC)}:{line} imports {name}"
-        for m, p in light.items()
+        for m, p in KNOWN.items()
+        if not m.startswith("artrl.local")
         for name, line in imports(p, module_level_only=True)
         if name.startswith(HEAVY)
     ]
     assert offending == []
 
 
-def test_imports_point_down_only():
-    offending = []
-    for module, path in modules().items():
-        for name, line in imports(path, module_level_only=False):
-            if name.startswith("artrl") and (layer(name) or 0) > (layer(module) or 0):
-                offending.append(
-                    f"{path.relative_to(SRC)}:{line} ({layer(module)}) imports {name} ({layer(name)})"
-                )
-    assert offending == []
+def test_no_folder_has_a_cycle_among_its_parts():
+    """Modules of one folder, and the subfolders of one folder taken whole: an import from a lower part
+    back up to a higher one closes a loop here, whichever module it is written in."""
+    edges, _ = part_edges()
+    assert {folder: c for folder, graph in edges.items() if (c := cycles_in(graph))} == {}
 
 
-def test_no_import_cycle():
-    """No two modules import each other, however indirectly (lazy imports included, annotations not)."""
-    known = modules()
+def test_no_part_imports_the_package_it_is_inside():
+    assert part_edges()[1] == []
 
-    def target(name: str) -> str | None:
-        while name and name not in known:
-            name = name.rpartition(".")[0]
-        return name or None
 
-    graph = {
-        m: {t for name, _ in imports(p, module_level_only=False) if (t := target(name)) and t != m}
-        for m, p in known.items()
-        if m != "artrl"  # the package's __init__ re-exports everything: an edge into it is not a cycle
-    }
-    graph = {m: {t for t in targets if t != "artrl"} for m, targets in graph.items()}
-    cycles, state = [], {}
+def test_the_service_wires_parts_that_never_meet():
+    edges, _ = part_edges()
+    meeting = [
+        (a, b)
+        for a, b in NEVER
+        for x, y in ((a, b), (b, a))
+        if y in edges[x.rpartition(".")[0]].get(x, set())
+    ]
+    assert meeting == []
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == "open":
-                cycles.append([*path[path.index(nxt) :], nxt])
-            elif nxt not in state:
-                visit(nxt, [*path, nxt])
-        state[node] = "done"
 
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
-    assert cycles == []
+def test_every_folder_is_small_and_says_what_it_holds():
+    sizes = {p: sum(1 for m in KNOWN if m.rpartition(".")[0] == p and m not in PACKAGES) for p in PACKAGES}
+    assert {p: n for p, n in sizes.items() if n > MAX_MODULES_PER_FOLDER} == {}
+    assert [p for p in PACKAGES if not ast.get_docstring(ast.parse(KNOWN[p].read_text()))] == []
+
+
+def test_the_checks_catch_a_loop_and_a_back_import():
+    assert cycles_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles_in({"a": {"b"}, "b": set()}) == []
+    assert "artrl.local.backend" in layers("artrl.local")[-1]  # the user's entry sits on top of the parts

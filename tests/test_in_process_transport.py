@@ -1,4 +1,4 @@
-"""`model.openai_client()` reaches the gateway in its own process without a socket (local/in_process.py):
+"""`model.openai_client()` reaches the gateway in its own process without a socket (local/gateway/in_process.py):
 the same answers as over HTTP, streaming, errors, timeouts that stop the generation, captures, and a clear
 error once the gateway is gone."""
 
@@ -12,7 +12,7 @@ import pytest
 from fakes import aborted
 
 from artrl.config import EngineConfig, GatewayConfig
-from artrl.local.in_process import openai_httpx
+from artrl.local.gateway.in_process import openai_httpx
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -89,7 +89,7 @@ async def test_calls_inside_a_capture_block_are_recorded(fresh_model):
 def slow(tokenizer):
     from fakes import SlowEngine
 
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     engine = SlowEngine()
     service = LocalService.serve("slow", None, tokenizer, engine, EngineConfig(), GatewayConfig())

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from artrl.local.kv_cache import BatchCache, spare
+from artrl.local.engine.hf.kv_cache import BatchCache, spare
 
 HEADS, DIM = 2, 4
 

@@ -16,7 +16,7 @@ from langchain_core.tools import tool
 from langgraph.prebuilt import create_react_agent
 
 import artrl
-from artrl.local.rows import trajectory_rows
+from artrl.local.train.rows import trajectory_rows
 
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "apples"}}\n</tool_call><|im_end|>'
 ANSWER = "There are 42 apples.<|im_end|>"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from artrl.config import TrainConfig
-from artrl.local.advantages import group_advantages
-from artrl.local.loss import policy_loss
+from artrl.local.train.advantages import group_advantages
+from artrl.local.train.loss import policy_loss
 
 
 def test_group_advantages_by_hand():

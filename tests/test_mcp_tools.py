@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletionMessageToolCall
 pytest.importorskip("mcp")
 
 import artrl
-from artrl.mcp_tools import parse_arguments, result_text
+from artrl.integrations.mcp_tools import parse_arguments, result_text
 
 SERVER = Path(__file__).with_name("mcp_server.py")
 

@@ -13,9 +13,9 @@ import torch
 
 import artrl
 from artrl.config import EngineConfig, LoadConfig, SFTConfig, TrainConfig
-from artrl.local.loading import load_model_and_tokenizer
-from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter
+from artrl.local.models.loading import load_model_and_tokenizer
+from artrl.local.train.rows import Row
+from artrl.local.train.trainer import Trainer, attach_adapter
 
 
 def _rows() -> list[Row]:
@@ -46,7 +46,7 @@ def _layer_calls(model) -> list[int]:
 
 @pytest.mark.parametrize("lora", [artrl.LoraConfig(), None], ids=["lora", "full"])
 def test_gradient_checkpointing_changes_no_gradient(tiny_model_dir, lora):
-    from artrl.local.batch import TrainingBatch
+    from artrl.local.train.batch import TrainingBatch
 
     results = []
     for checkpointing in (False, True):
@@ -161,7 +161,7 @@ def test_attention_implementation_is_used_as_given(tiny_model_dir):
 def test_device_map_reaches_from_pretrained_and_a_split_model_needs_vllm(tiny_model_dir):
     import torch
 
-    from artrl.local.loading import check_placement, model_options
+    from artrl.local.models.loading import check_placement, model_options
 
     placement = {"": "cpu"}
     config = EngineConfig(load=LoadConfig(device_map=placement))
@@ -179,7 +179,7 @@ def test_models_load_without_the_hubs_kernels(tiny_model_dir):
     without that package: every GPU-check setting failed so on an H200); artrl runs the model's own layers."""
     import torch
 
-    from artrl.local.loading import model_options
+    from artrl.local.models.loading import model_options
 
     assert model_options(EngineConfig(), torch.device("cuda"), torch.bfloat16)["use_kernels"] is False
     model, _ = load_model_and_tokenizer(str(tiny_model_dir), EngineConfig())
@@ -213,7 +213,7 @@ async def test_4bit_full_fine_tuning_is_refused(tiny_model_dir, tmp_path):
 
 
 def test_vllm_gets_the_load_settings():
-    from artrl.local.vllm_server import load_args
+    from artrl.local.engine.vllm.server import load_args
 
     load = LoadConfig(revision="v1", trust_remote_code=True, quantization="4bit")
     assert load_args(load, full_weights=False) == [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from artrl.local.prefix_cache import PrefixCache, SharedStates
+from artrl.local.engine.hf.prefix_cache import PrefixCache, SharedStates
 
 
 def states(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -102,8 +102,8 @@ def _shared(entry: list[int], prompt: list[int]) -> int:
 
 
 def test_stacked_states_left_pad_each_rows_cached_start():
-    from artrl.local.kv_cache import left_pad
-    from artrl.local.prefix_cache import CachedPrefix, stacked_states
+    from artrl.local.engine.hf.kv_cache import left_pad
+    from artrl.local.engine.hf.prefix_cache import CachedPrefix, stacked_states
 
     g = torch.Generator().manual_seed(0)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from artrl.config import VLLMConfig
-from artrl.local.replica_router import ReplicaRouter
-from artrl.local.vllm_server import replica_placement
+from artrl.local.engine.vllm.router import ReplicaRouter
+from artrl.local.engine.vllm.server import replica_placement
 
 BOTH = (0, 1)
 

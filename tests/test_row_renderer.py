@@ -13,8 +13,8 @@ import pytest
 import artrl
 from artrl.config import SFTConfig
 from artrl.local.chat_format import ChatFormat
-from artrl.local.row_renderer import PARALLEL_FROM, RowRenderer, _Worker, sft_rows
-from artrl.local.rows import UntrackedTurnsError, trajectory_rows
+from artrl.local.train.row_renderer import PARALLEL_FROM, RowRenderer, _Worker, sft_rows
+from artrl.local.train.rows import UntrackedTurnsError, trajectory_rows
 
 TOOLS = [
     {
@@ -106,7 +106,7 @@ def test_a_worker_that_fails_leaves_its_chunk_to_this_process(tokenizer, rendere
     fmt = ChatFormat.for_tokenizer(tokenizer)
     trajectories = [conversation(i) for i in range(PARALLEL_FROM)]
     renderer._workers = [LeavingWorker()]
-    with caplog.at_level(logging.WARNING, logger="artrl.local.row_renderer"):
+    with caplog.at_level(logging.WARNING, logger="artrl.local.train.row_renderer"):
         rows = renderer.rows(trajectories, fmt, {}, 1)
     assert as_data(rows) == as_data(renderer.rows(trajectories, fmt, {}, 0))
     assert "rendered in the training process" in caplog.text
@@ -123,7 +123,7 @@ def test_a_chat_format_a_worker_cannot_load_is_rendered_here(tokenizer, renderer
         plain.tokenizer, plain.family, plain.detected_by, plain.stop_ids, plain.variables
     )
     trajectories = [conversation(i) for i in range(PARALLEL_FROM)]
-    with caplog.at_level(logging.WARNING, logger="artrl.local.row_renderer"):
+    with caplog.at_level(logging.WARNING, logger="artrl.local.train.row_renderer"):
         rows = renderer.rows(trajectories, fmt, {}, 1)
     assert as_data(rows) == as_data(renderer.rows(trajectories, plain, {}, 0))
     assert "cannot load the chat format" in caplog.text
@@ -136,7 +136,7 @@ def test_trajectories_that_do_not_pickle_are_rendered_here(tokenizer, renderer, 
     fmt = ChatFormat.for_tokenizer(tokenizer)
     trajectories = [conversation(i) for i in range(PARALLEL_FROM)]
     trajectories[0].metadata["lock"] = threading.Lock()  # (a worker's first chunk: it cannot be sent)
-    with caplog.at_level(logging.WARNING, logger="artrl.local.row_renderer"):
+    with caplog.at_level(logging.WARNING, logger="artrl.local.train.row_renderer"):
         rows = renderer.rows(trajectories, fmt, {}, 1)
     assert as_data(rows) == as_data(renderer.rows(trajectories, fmt, {}, 0))
     assert "cannot be sent" in caplog.text and renderer._workers[0].alive

@@ -8,7 +8,7 @@ import pytest
 from openai.types.chat.chat_completion import Choice
 
 from artrl import History, Trajectory
-from artrl.local.rows import UntrackedTurnsError, format_row, trajectory_rows
+from artrl.local.train.rows import UntrackedTurnsError, format_row, trajectory_rows
 
 
 def choice(prompt: list[int], sampled: list[int], content: str = "x") -> Choice:

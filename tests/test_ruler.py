@@ -297,7 +297,7 @@ async def test_a_model_served_by_artrl_is_the_judge(tokenizer) -> None:
     from fakes import ScriptedEngine
 
     from artrl.config import EngineConfig, GatewayConfig
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     engine = ScriptedEngine()
     service = LocalService.serve("judge", None, tokenizer, engine, EngineConfig(), GatewayConfig())

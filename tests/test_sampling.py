@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from artrl.local.sampling import SamplingError, SamplingParams, sample_rows, top_p_filter, uniforms
+from artrl.local.engine.hf.sampling import SamplingError, SamplingParams, sample_rows, top_p_filter, uniforms
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]))  # (V,) one impossible token
 
@@ -96,7 +96,7 @@ def test_seeded_draws_are_uniform_and_below_one():
 
 
 def test_the_compiled_choice_is_in_use_and_equals_the_eager_one():
-    from artrl.local import sampling
+    from artrl.local.engine.hf import sampling
 
     compiled = sampling._scripted_choose()
     assert isinstance(compiled, torch.jit.ScriptFunction)

@@ -1,5 +1,5 @@
 """`LocalBackend(in_process=False)`: engine, gateway and trainer in a child process, the agents in this one
-(local/service_process.py, local/service_child.py). The same answers as in one process, streaming, the sync
+(local/backend/service_process.py, local/backend/service_child.py). The same answers as in one process, streaming, the sync
 client, training and its errors across the pipe, no torch on the agents' side, and a child that dies or a
 parent that leaves without closing."""
 
@@ -19,7 +19,7 @@ import pytest
 from tolerances import assert_logprobs_close
 
 import artrl
-from artrl.local.service_process import ServiceProcessError
+from artrl.local.backend.service_process import ServiceProcessError
 
 # every test here starts the service in a child process (~4 s each): the slow tier, which CI runs
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import torch
 
 import artrl
 import artrl.storage
-from artrl.local.pack import collate
-from artrl.local.rows import trajectory_rows
+from artrl.local.train.pack import collate
+from artrl.local.train.rows import trajectory_rows
 
 TOOLS = [
     {

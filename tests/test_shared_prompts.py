@@ -11,11 +11,11 @@ import torch
 from tolerances import assert_same_adamw_update
 
 import artrl
-from artrl.local.batch import TrainingBatch
-from artrl.local.logprobs import shares_prefixes, token_logprobs
-from artrl.local.pack import collate, pack, pack_by_prompt, shared_prompt
-from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter
+from artrl.local.train.batch import TrainingBatch
+from artrl.local.train.logprobs import shares_prefixes, token_logprobs
+from artrl.local.train.pack import collate, pack, pack_by_prompt, shared_prompt
+from artrl.local.train.rows import Row
+from artrl.local.train.trainer import Trainer, attach_adapter
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
 SHAPE |= dict(num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
@@ -38,7 +38,7 @@ def _model(architecture: str, dtype: torch.dtype = torch.float32):
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
-    from artrl.local.cpu_attention import use_cpu_attention
+    from artrl.local.kernels.cpu_attention import use_cpu_attention
 
     use_cpu_attention(model)
     return model

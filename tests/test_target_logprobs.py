@@ -1,4 +1,4 @@
-"""The trainer's log-prob of each target and its entropy (local/logprobs.py: `target_logprobs`, a backward
+"""The trainer's log-prob of each target and its entropy (local/train/logprobs.py: `target_logprobs`, a backward
 written out): the values and gradients of log_softmax + gather; the chunked, recomputed path of
 `token_logprobs` giving what one chunk gives."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from artrl.local.logprobs import target_logprobs, token_logprobs
-from artrl.local.pack import collate
-from artrl.local.rows import Row
+from artrl.local.train.logprobs import target_logprobs, token_logprobs
+from artrl.local.train.pack import collate
+from artrl.local.train.rows import Row
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from artrl.local.tiny_model import build_tiny_model
+from artrl.local.models.tiny_model import build_tiny_model
 
 
 def digest(folder) -> dict[str, str]:

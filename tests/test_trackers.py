@@ -18,8 +18,8 @@ import pytest
 from scored_rollouts import rollouts
 
 import artrl
+from artrl.history.trackers import Trackers, open_trackers, tracker_metrics, wandb_run_id
 from artrl.storage import model_dir, read_history
-from artrl.trackers import Trackers, open_trackers, tracker_metrics, wandb_run_id
 
 ALL = ("wandb", "tensorboard", "trackio")
 
@@ -187,10 +187,10 @@ async def test_failing_trackers_only_warn_and_training_goes_on(
     monkeypatch.setitem(sys.modules, "trackio", None)  # `import trackio` raises ImportError
     (directory / "trackers.json").mkdir()  # where the W&B run id is kept: wandb cannot start
     model = artrl.TrainableModel(name="tiny", project="broken", base_model=str(tiny_model_dir), report_to=ALL)
-    with caplog.at_level(logging.WARNING, logger="artrl.trackers"):
+    with caplog.at_level(logging.WARNING, logger="artrl.history.trackers"):
         await train_and_validate(artrl.LocalBackend(path=root), model)
     assert [(r["split"], r["step"]) for r in read_history(directory)] == [("train", 1), ("val", 1)]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "artrl.trackers"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "artrl.history.trackers"]
     assert len(warnings) == 3, warnings
     assert "'wandb' failed to start (IsADirectoryError" in warnings[0] and "trackers.json" in warnings[0]
     assert "'tensorboard' failed to start" in warnings[1] and "tensorboard/" in warnings[1]
@@ -230,7 +230,7 @@ def test_a_tracker_that_raises_is_dropped_with_one_warning_and_the_others_go_on(
     assert len(broken.logged) == 1 and broken.closed == 1  # dropped after its first failure
     assert good.logged == [({"train/loss": 0.5}, s, 10.0 + s) for s in (1, 2, 3)] and good.closed == 1
     assert bad_close.closed == 1
-    warnings = [r.getMessage() for r in caplog.records if r.name == "artrl.trackers"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "artrl.history.trackers"]
     assert len(warnings) == 2
     assert "'broken' failed to log (OSError: disk full)" in warnings[0]
     assert "'bc' failed to close (RuntimeError: cannot finish)" in warnings[1]

@@ -21,20 +21,20 @@ from tolerances import assert_logprobs_close, assert_same_adamw_update, tiny_mod
 import artrl
 import artrl.storage
 from artrl.config import EngineConfig, TrainerConfig
-from artrl.local.batch import TrainingBatch
-from artrl.local.loading import load_model_and_tokenizer
-from artrl.local.logprobs import token_logprobs
-from artrl.local.row_shards import rank_micro_batches, shard_rows
-from artrl.local.rows import Row
-from artrl.local.trainer import Trainer, attach_adapter, idle_row, load_adapter
-from artrl.local.trainer_rank import optimizer_state_by_index, optimizer_state_by_name
-from artrl.local.trainer_ranks import (
+from artrl.local.models.loading import load_model_and_tokenizer
+from artrl.local.train.batch import TrainingBatch
+from artrl.local.train.logprobs import token_logprobs
+from artrl.local.train.ranks.row_shards import rank_micro_batches, shard_rows
+from artrl.local.train.ranks.trainer_rank import optimizer_state_by_index, optimizer_state_by_name
+from artrl.local.train.ranks.trainer_ranks import (
     TrainerRanks,
     TrainerRanksError,
     check_fsdp2,
     missing_fsdp2_features,
     rank_devices,
 )
+from artrl.local.train.rows import Row
+from artrl.local.train.trainer import Trainer, attach_adapter, idle_row, load_adapter
 
 LR = 1e-2
 MICRO_TOKENS = 64  # every row a micro-batch of its own: 3 on one rank, 2 on the other (an idle pass)
@@ -75,7 +75,7 @@ def test_rows_are_shared_by_tokens_and_every_rank_runs_as_many_micro_batches():
 
 def test_settings_the_ranks_cannot_honour_are_refused_before_anything_starts(tiny_model_dir):
     from artrl.config import GatewayConfig, LoadConfig
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     with pytest.raises(ValueError, match="2 devices for 3 ranks"):
         TrainerConfig(ranks=3, devices=("cuda:0", "cuda:1"))
@@ -386,7 +386,7 @@ def test_a_torch_without_the_fsdp2_api_the_ranks_use_is_a_clear_error():
 
 
 def test_next_to_vllm_the_main_process_copy_of_the_model_stays_on_the_cpu():
-    from artrl.local.service import main_copy_config
+    from artrl.local.service.service import main_copy_config
 
     vllm = EngineConfig(kind="vllm", device="cuda:0")
     copy = main_copy_config(vllm, TrainerConfig(ranks=2), trainable=True)
@@ -449,7 +449,7 @@ class StoppedServer:
 
 
 def fake_service(engine, trainer):
-    from artrl.local.service import LocalService
+    from artrl.local.service.service import LocalService
 
     return LocalService(None, None, None, engine, StoppedServer(), trainer=trainer)  # type: ignore[arg-type]
 
@@ -531,7 +531,7 @@ def test_only_rank_0_keeps_the_gathered_weights(rank):
 
     from torch import nn
 
-    from artrl.local.trainer_rank import Rank
+    from artrl.local.train.ranks.trainer_rank import Rank
 
     gathered: list[weakref.ref] = []
     alive_at_each_gather: list[int] = []

@@ -13,7 +13,7 @@ from scored_rollouts import PROMPT, rollouts
 
 import artrl
 import artrl.storage
-from artrl.local.rows import UntrackedTurnsError
+from artrl.local.train.rows import UntrackedTurnsError
 
 
 @pytest.fixture
@@ -209,10 +209,10 @@ def test_chunked_logprobs_equal_full_logits(tiny_model_dir):
     """The lm_head runs in chunks under checkpointing: values and gradients equal the plain computation."""
     from transformers import AutoModelForCausalLM
 
-    from artrl.local.logprobs import token_logprobs
-    from artrl.local.pack import collate
-    from artrl.local.rows import Row
-    from artrl.local.trainer import attach_adapter
+    from artrl.local.train.logprobs import token_logprobs
+    from artrl.local.train.pack import collate
+    from artrl.local.train.rows import Row
+    from artrl.local.train.trainer import attach_adapter
 
     model = attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), artrl.LoraConfig())
     torch.manual_seed(0)
@@ -248,10 +248,10 @@ def test_a_bf16_base_trains_its_fp32_adapter_under_autocast(tiny_model_dir):
     logprobs stay fp32 and within bf16 rounding of the products in fp32, and chunks change nothing."""
     from transformers import AutoModelForCausalLM
 
-    from artrl.local.logprobs import token_logprobs
-    from artrl.local.pack import collate
-    from artrl.local.rows import Row
-    from artrl.local.trainer import attach_adapter
+    from artrl.local.train.logprobs import token_logprobs
+    from artrl.local.train.pack import collate
+    from artrl.local.train.rows import Row
+    from artrl.local.train.trainer import attach_adapter
 
     def build(dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
@@ -310,10 +310,10 @@ def test_right_padded_rows_train_without_a_mask_and_give_the_masked_results(arch
     too; a batch padded on the left keeps its mask."""
     import transformers as tf
 
-    from artrl.local.cpu_attention import use_cpu_attention
-    from artrl.local.logprobs import _padding_mask, token_logprobs
-    from artrl.local.pack import collate
-    from artrl.local.rows import Row
+    from artrl.local.kernels.cpu_attention import use_cpu_attention
+    from artrl.local.train.logprobs import _padding_mask, token_logprobs
+    from artrl.local.train.pack import collate
+    from artrl.local.train.rows import Row
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
     shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
@@ -357,9 +357,9 @@ def test_the_trainers_logprobs_are_the_models_own_after_its_head_transform(archi
     Granite) is applied as its forward does, so the trainer's logprobs are those the engine samples from."""
     import transformers as tf
 
-    from artrl.local.logprobs import token_logprobs
-    from artrl.local.pack import collate
-    from artrl.local.rows import Row
+    from artrl.local.train.logprobs import token_logprobs
+    from artrl.local.train.pack import collate
+    from artrl.local.train.rows import Row
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
     shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
@@ -392,11 +392,11 @@ def test_a_model_that_does_more_after_its_head_trains_on_its_own_forwards_logits
     from the model's whole forward; the recorded trainer logprobs are then the model's own."""
     import transformers as tf
 
-    from artrl.local.batch import TrainingBatch
-    from artrl.local.logprobs import head_is_the_models
-    from artrl.local.pack import collate
-    from artrl.local.rows import Row
-    from artrl.local.trainer import Trainer, attach_adapter
+    from artrl.local.train.batch import TrainingBatch
+    from artrl.local.train.logprobs import head_is_the_models
+    from artrl.local.train.pack import collate
+    from artrl.local.train.rows import Row
+    from artrl.local.train.trainer import Trainer, attach_adapter
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
     shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)

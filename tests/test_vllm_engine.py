@@ -20,11 +20,11 @@ from tolerances import assert_logprobs_close
 
 import artrl
 from artrl.config import VLLMConfig
-from artrl.local.engine_vllm import VLLMEngine
-from artrl.local.sampling import SamplingParams
-from artrl.local.vllm_completions import choice_tokens, completion_request
-from artrl.local.vllm_replicas import Replica
-from artrl.local.vllm_server import VLLMServer, VLLMStartError, _group_alive
+from artrl.local.engine.hf.sampling import SamplingParams
+from artrl.local.engine.vllm.completions import choice_tokens, completion_request
+from artrl.local.engine.vllm.engine import VLLMEngine
+from artrl.local.engine.vllm.replicas import Replica
+from artrl.local.engine.vllm.server import VLLMServer, VLLMStartError, _group_alive
 
 PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
 PROBE = {"messages": PROMPT, "max_tokens": 6, "temperature": 0.0}
@@ -111,7 +111,7 @@ async def test_greedy_n_asks_vllm_for_one_sequence_and_copies_it():
 
 
 async def test_a_server_side_abort_or_a_cut_stream_is_an_error_not_a_short_answer():
-    from artrl.local.engine import EngineError
+    from artrl.local.engine.contract import EngineError
 
     for chunks in ((choice(0, [4], None), choice(0, [5], "abort")), (choice(0, [4], None),)):
         engine, _ = fake_vllm_engine(lambda r, chunks=chunks: httpx.Response(200, content=sse(*chunks)))
@@ -307,7 +307,7 @@ def test_the_server_ends_when_its_parent_is_killed(tmp_path, tiny_model_dir):
 import os, sys
 from pathlib import Path
 from artrl.config import VLLMConfig
-from artrl.local import vllm_server
+from artrl.local.engine.vllm import server as vllm_server
 real_wait = vllm_server.VLLMServer._wait_healthy
 def report_then_wait(self, *args):
     print(os.getpgid(self.process.pid), flush=True)

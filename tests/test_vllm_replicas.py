@@ -18,10 +18,10 @@ from tolerances import assert_logprobs_close
 
 import artrl
 from artrl.config import VLLMConfig
-from artrl.local.engine import EngineError
-from artrl.local.engine_vllm import VLLMEngine
-from artrl.local.sampling import SamplingParams
-from artrl.local.vllm_replicas import Replica
+from artrl.local.engine.contract import EngineError
+from artrl.local.engine.hf.sampling import SamplingParams
+from artrl.local.engine.vllm.engine import VLLMEngine
+from artrl.local.engine.vllm.replicas import Replica
 
 
 # ---------------------------------------------------------------- retries, over fake replicas (no server)

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import pytest
 
 from artrl.config import VLLMConfig
-from artrl.local.engine import EngineError
-from artrl.local.engine_vllm import VLLMEngine
-from artrl.local.sampling import SamplingParams
-from artrl.local.vllm_replicas import Replica
+from artrl.local.engine.contract import EngineError
+from artrl.local.engine.hf.sampling import SamplingParams
+from artrl.local.engine.vllm.engine import VLLMEngine
+from artrl.local.engine.vllm.replicas import Replica
 
 
 class FakeVLLM:
@@ -176,7 +176,7 @@ async def test_a_server_artrl_did_not_start_is_used_again_once_it_answers():
 
 def test_the_tensor_parallel_size_reaches_the_server_command(tmp_path):
     """A stand-in interpreter that exits at once: the start fails, quoting the log and its command line."""
-    from artrl.local.vllm_server import VLLMServer, VLLMStartError
+    from artrl.local.engine.vllm.server import VLLMServer, VLLMStartError
 
     config = VLLMConfig(python="/bin/true", tensor_parallel_size=2)
     with pytest.raises(VLLMStartError, match="--tensor-parallel-size 2"):

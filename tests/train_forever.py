@@ -42,7 +42,7 @@ def fork_trainers() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import artrl.local.backend  # noqa: F401
+    import artrl.local.backend.local_backend  # noqa: F401
 
     for line in sys.stdin:
         base_model, path = json.loads(line)

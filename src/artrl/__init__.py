@@ -8,7 +8,7 @@ from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
 
 from artrl import rewards
-from artrl.capturing import Capture, CaptureError, capture
+from artrl.capturing.block import Capture, CaptureError, capture
 from artrl.config import (
     CheckpointRetention,
     ClientConfig,
@@ -23,14 +23,14 @@ from artrl.config import (
     TrainerConfig,
     VLLMConfig,
 )
-from artrl.dataset import DatasetBatch, iterate_dataset
-from artrl.gather import GatherError, gather_trajectories, gather_trajectory_groups
-from artrl.langchain_model import langchain_chat_model
-from artrl.mcp_tools import MCPTools
+from artrl.integrations.langchain_model import langchain_chat_model
+from artrl.integrations.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
-from artrl.pipeline import rollouts_ahead
 from artrl.prompted_model import Model
-from artrl.retry import retry
+from artrl.rollouts.dataset import DatasetBatch, iterate_dataset
+from artrl.rollouts.gather import GatherError, gather_trajectories, gather_trajectory_groups
+from artrl.rollouts.pipeline import rollouts_ahead
+from artrl.rollouts.retry import retry
 from artrl.tiny import build_tiny_model, ensure_tiny_model
 from artrl.trajectory import (
     History,
@@ -85,21 +85,21 @@ __all__ = [
     "rollouts_ahead",
 ]
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__ below
-    from artrl.local.backend import CheckpointError, LocalBackend
-    from artrl.local.trainer_ranks import TrainerRanksError
+    from artrl.local.backend.local_backend import CheckpointError, LocalBackend
+    from artrl.local.train.ranks.trainer_ranks import TrainerRanksError
 
 __version__ = _version("artrl")
 
 
 def __getattr__(name: str):
     """`artrl.LocalBackend` and `artrl.CheckpointError` live with the rest of the local wiring, in
-    `artrl.local.backend`; they are imported on first use (still without torch: that loads on `register`)."""
+    `artrl.local.backend.local_backend`; they are imported on first use (still without torch: that loads on `register`)."""
     if name in ("LocalBackend", "CheckpointError"):
-        from artrl.local import backend
+        from artrl.local.backend import local_backend as backend
 
         return getattr(backend, name)
     if name == "TrainerRanksError":  # (raised by a train call when a trainer rank fails; imports torch)
-        from artrl.local import trainer_ranks
+        from artrl.local.train.ranks import trainer_ranks
 
         return trainer_ranks.TrainerRanksError
     raise AttributeError(f"module 'artrl' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 def _tiny_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.family is not None:
-        from artrl.local.family_models import FAMILY_MODELS, build_family_model
+        from artrl.local.families.family_models import FAMILY_MODELS, build_family_model
 
         if args.family not in FAMILY_MODELS:
             parser.error(f"unknown family {args.family!r}; choose one of {sorted(FAMILY_MODELS)}")
@@ -19,7 +19,7 @@ def _tiny_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         print(f"built a tiny {args.family} model in {path}")
         return 0
     from artrl.config import TINY_MODEL_PRESETS
-    from artrl.local.tiny_model import build_tiny_model
+    from artrl.local.models.tiny_model import build_tiny_model
 
     if args.preset not in TINY_MODEL_PRESETS:
         parser.error(f"unknown preset {args.preset!r}; choose one of {sorted(TINY_MODEL_PRESETS)}")
@@ -33,8 +33,8 @@ def _tiny_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
 
 def _check_template(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from artrl.local.chat_format import ChatFormat
-    from artrl.local.loading import load_tokenizer, stop_ids_of
-    from artrl.local.template_check import check_template
+    from artrl.local.families.template_check import check_template
+    from artrl.local.models.loading import load_tokenizer, stop_ids_of
 
     try:
         kwargs = json.loads(args.kwargs) if args.kwargs else {}
@@ -55,7 +55,7 @@ def _check_template(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _history(args: argparse.Namespace) -> int:
-    from artrl.history_table import render
+    from artrl.history.tables import render
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
     print(render(Path(args.path), args.split, metrics))
@@ -63,8 +63,8 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from artrl.local.hf_export import export_step, merge_step
-    from artrl.local.run_folder import open_run
+    from artrl.local.runs.hf_export import export_step, merge_step
+    from artrl.local.runs.run_folder import open_run
 
     run = open_run(args.run_dir)
     step, out = (merge_step if args.command == "merge" else export_step)(run, args.out, args.step)
@@ -75,8 +75,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from artrl.config import GatewayConfig
-    from artrl.local.run_folder import open_run
-    from artrl.local.serve_run import serve_run
+    from artrl.local.runs.run_folder import open_run
+    from artrl.local.runs.serve_run import serve_run
 
     gateway = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key)
     serve_run(open_run(args.run_dir), args.step, gateway, say=lambda line: print(line, flush=True))

@@ -222,7 +222,7 @@ class TrainableModel(BaseModel):
             return options
         import openai
 
-        from artrl.capturing import tag_request, tag_request_async
+        from artrl.capturing.block import tag_request, tag_request_async
 
         transport = None
         if options["base_url"] == self._base_url and self._backend is not None:

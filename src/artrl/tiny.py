@@ -14,7 +14,7 @@ def build_tiny_model(directory: str | os.PathLike[str], config: TinyModelConfig 
     `config` is a preset name ("tiny", "small") or a `TinyModelConfig`. The folder is a standard Hugging Face
     model folder: pass it as `base_model=`.
     """
-    from artrl.local.tiny_model import build_tiny_model as build
+    from artrl.local.models.tiny_model import build_tiny_model as build
 
     return build(directory, config)
 

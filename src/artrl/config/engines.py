@@ -194,8 +194,8 @@ class EngineConfig(_Frozen):
     )
     cpu_attention: bool = Field(
         default=True,
-        description="on CPU, artrl's attention (local/cpu_attention.py) where torch's flash kernel is slow: "
-        "bf16/fp16 decode steps and training (local/chunked_attention.py); everything else keeps sdpa (set when the "
+        description="on CPU, artrl's attention (local/kernels/cpu_attention.py) where torch's flash kernel is slow: "
+        "bf16/fp16 decode steps and training (local/kernels/chunked_attention.py); everything else keeps sdpa (set when the "
         "model is loaded)",
     )
     merge_lora: Literal["auto", "always", "never"] = Field(
@@ -207,7 +207,7 @@ class EngineConfig(_Frozen):
     fused_decode: bool = Field(
         default=True,
         description="embedded engine on CPU, Llama/Qwen2/Qwen3/Mistral layouts: decode steps and prefills through "
-        "artrl's own forward (local/fused_decode.py: q/k/v and gate/up in one product each, weights packed for "
+        "artrl's own forward (local/engine/hf/fused_decode.py: q/k/v and gate/up in one product each, weights packed for "
         "oneDNN once per training step) instead of the transformers forward: 1.5x (bf16) to 2x (fp32) faster "
         "decode steps at 8 sequences on the 27M model. One more copy of the decoder's linear weights in memory",
     )

@@ -47,7 +47,7 @@ class TrainerConfig(_Frozen):
     )
     fused_lora: bool = Field(
         default=True,
-        description="ranks=1: each plain LoRA linear trains through one fused autograd product (local/fused_lora.py: "
+        description="ranks=1: each plain LoRA linear trains through one fused autograd product (local/train/fused_lora.py: "
         "the adapter's product added into the base output, its scale folded into B, no input casts) instead of "
         "PEFT's layer forward: the same gradients, 1.14x faster bf16 steps on a 2-core CPU. Layers with dropout, DoRA or "
         "a LoRA bias keep PEFT's forward either way",
@@ -55,14 +55,14 @@ class TrainerConfig(_Frozen):
     fused_norms: bool = Field(
         default=True,
         description="ranks=1: each RMS norm of the Llama/Qwen kind trains through one autograd function with its "
-        "backward pass in closed form (local/fused_norm.py) instead of a dozen autograd nodes: the same forward, "
+        "backward pass in closed form (local/train/fused_norm.py) instead of a dozen autograd nodes: the same forward, "
         "bit for bit, and gradients equal to rounding. Norms that compute anything else keep their forward",
     )
     share_prompts: bool = Field(
         default=True,
         description="ranks=1: rows that begin with the same prompt (a group's rollouts of one scenario) train in "
         "micro-batches of their own that compute the prompt once, its keys and values shared by every row "
-        "(local/logprobs.py): the same loss and gradients for fewer tokens (the maze demo's rows: 46% fewer). Not "
+        "(local/train/logprobs.py): the same loss and gradients for fewer tokens (the maze demo's rows: 46% fewer). Not "
         "under gradient_checkpointing, nor for models with recurrent state or linear-attention layers",
     )
     start_timeout_s: float = Field(default=600.0, gt=0, description="until every rank has loaded the model")

@@ -114,7 +114,7 @@ def create_dashboard_app(root: str | Path, config: DashboardConfig) -> FastAPI:
 def start_dashboard(root: str | Path, config: DashboardConfig):
     """The dashboard on its own thread (returns the running server: `.base_url`, `.stop()`)."""
     from artrl.config import GatewayConfig
-    from artrl.local.server import GatewayServer
+    from artrl.local.gateway.server import GatewayServer
 
     server = GatewayServer(
         create_dashboard_app(root, config), GatewayConfig(host=config.host, port=config.port)

@@ -84,7 +84,7 @@ def _recorded_calls(trajectory: dict[str, Any]) -> list[tuple[list[int], list[in
 def recorded_rows(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows from a trajectory's recorded calls, as a train step would build them (not trained: no
     advantage, no trainer logprobs)."""
-    from artrl.local.rows import rows_from_calls
+    from artrl.local.train.rows import rows_from_calls
 
     rows = rows_from_calls(_recorded_calls(trajectory), 0)
     return [

@@ -20,9 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from artrl.capturing import CAPTURE_HEADER
+from artrl.capturing.block import CAPTURE_HEADER
 from artrl.config import GatewayConfig  # the one name of the header clients send
-from artrl.local.engine import EngineError
+from artrl.local.engine.contract import EngineError
 from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.dialects import Dialect, chat_choice, stream_error, usage
 from artrl.local.gateway.messages_api import MessagesDialect

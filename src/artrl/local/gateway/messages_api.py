@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from artrl.local.engine import EngineError
+from artrl.local.engine.contract import EngineError
 from artrl.local.gateway.dialects import Record, chat_choice, json_body, text_of, typed
 from artrl.local.gateway.messages_items import (
     BlockEvents,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from artrl.config import GatewayConfig
-from artrl.local.engine import EngineError
+from artrl.local.engine.contract import EngineError
 from artrl.local.gateway.dialects import Record, chat_choice, json_body, stream_error, text_of, typed, usage
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.responses_items import ResponseEvents, output_items

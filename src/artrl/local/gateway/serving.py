@@ -18,7 +18,7 @@ from typing import Any
 
 from artrl.local.chat_format import ChatFormat, Piece
 from artrl.local.chat_format.decoding import IncrementalDecoder, decode_all
-from artrl.local.engine import Engine, SamplingParams, SequenceStream, TokenChoice
+from artrl.local.engine.contract import Engine, SamplingParams, SequenceStream, TokenChoice
 from artrl.local.gateway.messages import normalize_messages
 from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import Prompt, PromptBuilder

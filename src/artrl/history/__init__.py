@@ -1,0 +1,1 @@
+"""A run's history rows: sent to experiment trackers, shown as terminal tables (`artrl history`)."""

@@ -1,0 +1,1 @@
+"""Other libraries' ways into artrl: a LangChain chat model, MCP servers' tools."""

@@ -1,0 +1,254 @@
+"""The local service in a child process of its own: `LocalBackend(in_process=False)`, seen from the user's side.
+
+The child (`artrl.local.backend.service_child`) runs an ordinary `LocalBackend`: engines, gateways and trainers, one
+copy of the weights, as in one process. This process keeps the agents, their openai SDK calls and the user's
+code, so that on a small machine the SDK's Python work runs beside the engine instead of taking turns with it
+on one interpreter lock (benchmarks/RESULTS.md, "Rollout speed"). Between the two, two pipes of pickled
+frames (`multiprocessing.connection.Connection` over `os.pipe`, as the trainer ranks use; no
+`multiprocessing` start method, so a user's unguarded script is never re-run):
+
+- calls: `("call", id, method, args)` → `("result", id, ok, value)`, the backend's methods (register, train,
+  train_sft, log, export, delete_checkpoints, close) with the model sent as its settings;
+- requests of `model.openai_client()`: the in-process transport's ASGI exchange (local/gateway/in_process.py) with the
+  gateway across the pipe: `("http", id, model, scope, body)` → `("whole", id, status, headers, body)` for an
+  answer in one piece, or `("start", ...)`, `("body", id, chunk, more)`; `("end", id, error)` when the app
+  stopped without a complete answer; `("gone", id)` when the client went away. No HTTP on either side.
+
+Clients built from `model.inference_base_url` reach the child's gateway over HTTP as usual. A child that
+dies fails every call and request in flight at once with `ServiceProcessError`, which says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import subprocess
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from artrl.local.concurrency.piped_process import start_piped
+from artrl.local.gateway.in_process import link_transport
+
+if TYPE_CHECKING:
+    from artrl.model import TrainableModel
+
+log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 120.0  # the child's close: engines, vLLM servers and trainer ranks stopped
+
+
+class ServiceProcessError(RuntimeError):
+    """The artrl service process is gone (it exited or was killed); what was in flight is lost with it."""
+
+
+def model_settings(model: TrainableModel) -> dict[str, Any]:
+    """What the child needs to know of a model (its handle holds this process's backend and clients)."""
+    return model.model_dump()
+
+
+class ServiceProcess:
+    """One child process serving and training every model of one `LocalBackend(in_process=False)`."""
+
+    def __init__(self, backend_settings: dict[str, Any]) -> None:
+        self._settings = backend_settings  # LocalBackend's keyword arguments in the child
+        self._proc: subprocess.Popen | None = None
+        self._out: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # the tables below and `_dead`
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._exchanges: dict[int, Any] = {}
+        self._ids = itertools.count()
+        self._dead: str | None = None
+        self._servers: dict[tuple[str, str], tuple[str, int]] = {}
+
+    # -- the process
+
+    def start(self) -> None:
+        """Start the child and hand it the backend's settings (a few ms: it imports its modules meanwhile)."""
+        package_root = str(Path(__file__).resolve().parents[3])  # (the folder that holds `artrl`)
+        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        self._proc, self._out, inbox = start_piped(
+            "artrl.local.backend.service_child",
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": path},
+            start_new_session=True,  # Ctrl-C stops the user's script, which then closes the child
+        )
+        threading.Thread(target=self._read, args=(inbox,), name="artrl-service-reader", daemon=True).start()
+        self._send(("init", self._settings))
+
+    def _send(self, frame: tuple) -> None:
+        """One frame to the child (any thread). ServiceProcessError when it is gone; a frame that does not
+        pickle raises its pickling error and sends nothing."""
+        data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            if self._dead is not None or self._out is None:
+                raise ServiceProcessError(self._dead or "the artrl service process is not running")
+            try:
+                self._out.send_bytes(data)
+            except OSError as exc:
+                raise ServiceProcessError(f"the artrl service process is gone ({exc})") from None
+
+    def _read(self, inbox: Connection) -> None:
+        """The reader thread: answers and response messages to whoever waits for them."""
+        while True:
+            try:
+                frame = pickle.loads(inbox.recv_bytes())
+            except (EOFError, OSError):
+                break
+            kind, key = frame[0], frame[1]
+            if kind == "result":
+                with self._lock:
+                    future = self._calls.pop(key, None)
+                if future is not None and not future.done():
+                    ok, value = frame[2], frame[3]
+                    future.set_result(value) if ok else future.set_exception(_remote_error(*value))
+                continue
+            with self._lock:
+                exchange = self._exchanges.get(key)
+                if kind == "end" or (kind == "whole") or (kind == "body" and not frame[3]):
+                    self._exchanges.pop(key, None)
+            if exchange is None:
+                continue
+            if kind in ("whole", "start"):
+                exchange.deliver({"type": "http.response.start", "status": frame[2], "headers": frame[3]})
+            if kind == "whole":
+                exchange.deliver({"type": "http.response.body", "body": frame[4]})
+            elif kind == "body":
+                exchange.deliver({"type": "http.response.body", "body": frame[2], "more_body": frame[3]})
+            elif kind == "end":
+                exchange.ended(frame[2])
+        inbox.close()
+        self._died()
+
+    def _died(self) -> None:
+        """The child's pipe closed: fail everything in flight, and everything asked from now on."""
+        code = None
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._proc.wait(timeout=5)
+        message = (
+            f"the artrl service process exited (exit code {code}; its log is above, on this process's stderr)"
+        )
+        with self._lock, self._send_lock:
+            self._dead = message
+            calls, self._calls = list(self._calls.values()), {}
+            exchanges, self._exchanges = list(self._exchanges.values()), {}
+        for future in calls:
+            if not future.done():
+                future.set_exception(ServiceProcessError(message))
+        for exchange in exchanges:
+            exchange.abandon(message)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """`method(*args)` of the child's backend; its result, or the exception it raised."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        cid = next(self._ids)
+        with self._lock:
+            self._calls[cid] = future
+        try:
+            self._send(("call", cid, method, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)))
+        except BaseException:
+            with self._lock:
+                self._calls.pop(cid, None)
+            raise
+        return await asyncio.wrap_future(future)
+
+    # -- the backend's methods, for LocalBackend(in_process=False)
+
+    async def register(self, model: TrainableModel) -> tuple[str, str]:
+        base_url, api_key, server = await self.call("register", model_settings(model))
+        self._servers[(model.project, model.name)] = server
+        return base_url, api_key
+
+    def transport(self, model: TrainableModel, sync: bool = False) -> Any:
+        """An httpx transport to the model's gateway in the child, over the pipe (None: not registered)."""
+        key = (model.project, model.name)
+        if key not in self._servers:
+            return None
+        return link_transport(_PipeLink(self, key), *self._servers[key], sync)
+
+    async def close(self) -> None:
+        """The child's backend closed (its engines, servers, trainers), then the child ended."""
+        if self._proc is None:
+            return
+        try:
+            if self._dead is None:
+                await asyncio.wait_for(self.call("close"), CLOSE_TIMEOUT_S)
+        except ServiceProcessError:
+            pass  # (already gone)
+        finally:
+            await asyncio.to_thread(self._end)
+
+    def _end(self) -> None:
+        proc = self._proc
+        with contextlib.suppress(ServiceProcessError, OSError):
+            self._send(("exit", 0))
+        with self._send_lock:
+            if self._out is not None:
+                self._out.close()
+                self._out = None
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log.warning("the artrl service process did not exit within 30 s of closing: killed")
+            proc.kill()
+            proc.wait(timeout=30)
+
+    # -- requests of the in-process transports
+
+    def add_exchange(self, exchange: Any) -> int | None:
+        with self._lock:
+            if self._dead is not None:
+                return None
+            xid = next(self._ids)
+            self._exchanges[xid] = exchange
+            return xid
+
+    def drop_exchange(self, xid: int) -> None:
+        with self._lock:
+            self._exchanges.pop(xid, None)
+
+
+class _PipeLink:
+    """The link of local/gateway/in_process.py's transports to one model's gateway in the child."""
+
+    def __init__(self, process: ServiceProcess, key: tuple[str, str]) -> None:
+        self._process, self._key = process, key
+
+    def submit(self, exchange: Any, scope: dict[str, Any], request: Any) -> None:
+        httpx = exchange.httpx
+        xid = self._process.add_exchange(exchange)
+        if xid is None:
+            raise httpx.ConnectError(
+                f"the artrl gateway is not running: {self._process._dead}", request=request
+            )
+        exchange.xid = xid
+        try:
+            self._process._send(("http", xid, self._key, scope, exchange.body))
+        except ServiceProcessError as exc:
+            self._process.drop_exchange(xid)
+            raise httpx.ConnectError(str(exc), request=request) from None
+        exchange.body = b""  # (sent: not kept for the whole call)
+
+    def disconnect(self, exchange: Any) -> None:
+        with contextlib.suppress(ServiceProcessError, AttributeError):
+            self._process._send(("gone", exchange.xid))
+
+
+def _remote_error(pickled: bytes | None, text: str) -> BaseException:
+    """The child's exception as raised there (with its traceback as a note), or its text when it does not
+    unpickle here."""
+    try:
+        error = pickle.loads(pickled) if pickled is not None else None
+    except Exception:
+        error = None
+    if not isinstance(error, BaseException):
+        return ServiceProcessError(f"in the artrl service process: {text}")
+    error.add_note(f"(raised in the artrl service process)\n{text}")
+    return error

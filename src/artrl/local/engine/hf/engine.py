@@ -1,0 +1,232 @@
+"""The embedded engine: in-process transformers inference with continuous batching.
+
+One engine thread owns the model while generating. Each iteration it (1) admits the requests that arrived
+since the last iteration (a batched, left-padded prefill), merges their KV cache into the running batch,
+then (2) decodes one token for every running sequence (the steps: `running_batch.py`). A request never waits
+for an unrelated long one: it joins the running batch at the next token step. The same model object is what the trainer updates,
+and training runs *on this thread* too (`call`): between two token steps, with one OpenMP thread pool and
+one allocator arena for everything that computes, so generation and training never contend for the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from artrl.config import EngineConfig
+from artrl.local.concurrency.idle_thread import IdleEndingThread
+from artrl.local.concurrency.torch_threads import default_threads
+from artrl.local.engine.contract import SequenceStream
+from artrl.local.engine.hf.fused_decode import FusedDecode
+from artrl.local.engine.hf.prefix_cache import PrefixCache
+from artrl.local.engine.hf.running_batch import Request, RunningBatch, RunningSequence, fail_sequences
+from artrl.local.engine.hf.sampling import SamplingParams
+from artrl.local.kernels.merged_lora import MergedLora
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], Any]
+    future: Future
+    changes_weights: bool = True  # False: the prefix cache and the fused weights stay valid after it
+
+
+class HFEngine:
+    """Continuous-batching generation over a transformers causal LM (optionally wrapped by PEFT)."""
+
+    def __init__(self, model, *, max_context: int, config: EngineConfig) -> None:
+        self._idle_timeout_s = config.stream_idle_timeout_s
+        self._thread_idle_s = config.engine_thread_idle_s
+        # (generation's torch threads, training's), set on the engine thread whatever a new thread starts with:
+        # torch.set_num_threads also sets the count that threads started later take on their first torch op
+        default = default_threads()
+        self._threads = (config.generation_threads or default, default)
+        self.model = model
+        self._max_context = max_context
+        self._incoming: queue.SimpleQueue[Request | _Job | None] = queue.SimpleQueue()
+        self._jobs: list[_Job] = []
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
+        self._closed = False
+        self._device = next(model.parameters()).device
+        merge = config.merge_lora == "always" or (config.merge_lora == "auto" and self._device.type == "cpu")
+        self._lora = MergedLora.of(model) if merge else None  # generation with W + s·B·A (see merged_lora)
+        # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps forward
+        cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self._steps = RunningBatch(  # waiting requests and the running batch: the engine thread's alone
+            model,
+            max_context=max_context,
+            max_batch_size=config.max_batch_size,
+            max_prefill_tokens=config.max_prefill_tokens,
+            prefix_cache=self.prefix_cache,
+            cache_arg=cache_arg,
+        )
+        self._fused = FusedDecode.of(model) if config.fused_decode else None  # (None: not CPU, other layout)
+        self._steps.fused = self._fused
+        self._worker = IdleEndingThread(self._run, "artrl-engine")
+        self._worker.wake()
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        sequences = []
+        for i in range(n):
+            generator = None
+            if params.seed is not None:
+                generator = random.Random((params.seed + i) % 2**64)  # (sampling.uniforms draws from it)
+            sequences.append(RunningSequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
+        self._incoming.put(Request(list(prompt_ids), sequences))
+        self._worker.wake()
+        return [s.stream for s in sequences]
+
+    def call(self, fn: Callable[[], Any], *, changes_weights: bool = True) -> Future:
+        """Run fn on the engine thread between two token steps (e.g. a training step); returns its future.
+        changes_weights=False (a checkpoint write): cached prefixes and fused weights are kept."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        job = _Job(fn, Future(), changes_weights)
+        self._incoming.put(job)
+        self._worker.wake()
+        return job.future
+
+    async def run_exclusive(self, fn: Callable[[], Any], *, changes_weights: bool = True) -> Any:
+        """On the engine's own thread, between two token steps: generation pauses, then uses the result."""
+        return await asyncio.wrap_future(self.call(fn, changes_weights=changes_weights))
+
+    def training(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()  # type: ignore[return-value]  # async-compatible in 3.10+
+
+    async def publish(self, step: int, checkpoint: str, adapter: bool) -> None:
+        """Nothing to do: the engine generates with the very weights the trainer updated."""
+
+    async def close(self) -> None:
+        self._closed = True
+        self._incoming.put(None)
+        thread = self._worker.wake()
+        await asyncio.to_thread(thread.join, 30)
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        return self._worker.current
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        torch.set_num_threads(self._threads[0])  # (this thread's own OpenMP team: set in each new one)
+        while not self._closed:
+            try:
+                steps = self._steps
+                if self._collect_requests(block=not steps.batch.sequences) or steps.busy:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since >= self._thread_idle_s and self._worker.end_unless(
+                    lambda: not self._incoming.empty() or self._steps.busy or bool(self._jobs)
+                ):
+                    return
+                self._run_jobs()
+                if steps.busy:
+                    self._merge_lora()
+                    self._build_fused()
+                with torch.inference_mode():
+                    steps.admit()
+                    steps.drop_finished()
+                    if steps.batch.sequences:
+                        steps.decode_step()
+                        steps.drop_finished()
+            except Exception as exc:  # never let one bad batch kill the engine thread
+                log.exception("engine step failed")  # the running batch is lost; queued requests are not
+                self._steps.fail_running(f"{type(exc).__name__}: {exc}")
+        self._steps.fail_all("engine closed", reason="abort")
+        # what was queued behind the close (a call that raced it) fails too: nothing waits forever
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._incoming.get_nowait()
+                if isinstance(item, _Job):
+                    self._jobs.append(item)
+                elif item is not None:
+                    fail_sequences(item.sequences, "engine closed", "abort")
+        for job in self._jobs:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("engine closed"))
+
+    def _merge_lora(self) -> None:
+        if self._lora is None:
+            return
+        try:
+            self._lora.merge()
+        except Exception as exc:  # (out of memory for the copy, say): generate through the adapter instead
+            log.warning("generating through the adapter: merging it failed (%s: %s)", type(exc).__name__, exc)
+            self._lora.unmerge()
+            self._lora = None
+
+    def _build_fused(self) -> None:
+        """The fused decode step's weights, after a job or at the first step (from the merged weights)."""
+        fused = self._fused
+        if fused is None or fused.ready:
+            return
+        try:
+            fused.build()
+        except Exception as exc:  # (a module outside the layout, out of memory for the copy)
+            log.warning(
+                "decode steps and prefills through the transformers forward: the fused forward failed to build (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+            self._fused = self._steps.fused = None
+
+    def _run_jobs(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        if not jobs:
+            return
+        if any(job.changes_weights for job in jobs):
+            self.prefix_cache.clear()  # cached keys and values are stale
+            if self._fused is not None:
+                self._fused.stale()
+        if self._lora is not None:
+            self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
+        torch.set_num_threads(self._threads[1])  # training with torch's default
+        for job in jobs:
+            if job.future.set_running_or_notify_cancel():
+                try:
+                    job.future.set_result(job.fn())
+                except BaseException as exc:  # delivered to the caller
+                    job.future.set_exception(exc)
+        torch.set_num_threads(self._threads[0])
+
+    def _collect_requests(self, block: bool) -> bool:
+        """Move what arrived to the pending requests and jobs (waiting a little when block); whether any."""
+        try:
+            wait = min(0.5, self._thread_idle_s)
+            item = self._incoming.get(timeout=wait) if block else self._incoming.get_nowait()
+        except queue.Empty:
+            return False
+        while item is not None:
+            (self._jobs if isinstance(item, _Job) else self._steps.pending).append(item)
+            try:
+                item = self._incoming.get_nowait()
+            except queue.Empty:
+                return True
+        self._closed = True
+        return True

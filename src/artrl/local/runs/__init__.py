@@ -1,0 +1,1 @@
+"""Saved runs read back from their folders: `artrl export`, `merge` and `serve` on a saved step."""

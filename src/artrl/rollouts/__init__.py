@@ -1,0 +1,1 @@
+"""Running rollouts: groups gathered concurrently, scenarios in steps, retries, rollouts ahead of training."""
