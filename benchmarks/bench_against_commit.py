@@ -197,6 +197,24 @@ def section(args: argparse.Namespace, rollouts: dict | None, demo: dict | None) 
     return "\n".join(lines)
 
 
+def headline(args: argparse.Namespace, rollouts: dict | None, demo: dict | None) -> str:
+    """The summary row's figures: this code over the baseline's, (b) in bf16 against its faster dtype, the demo."""
+    figures = []
+    if rollouts:
+        tok_s = {
+            key: statistics.median(statistics.median(c["tok_s"]) for c in children)
+            for key, children in rollouts.items()
+        }
+        best_base = max(tok_s[("baseline", d)] for d in DTYPES)
+        figures.append(f"(b) {tok_s[('this', 'bfloat16')] / best_base:.2f}x the baseline's tok/s")
+    if demo:
+        ratio = statistics.median(
+            b["wall"] / t["wall"] for b, t in zip(demo["baseline"], demo["this"], strict=True)
+        )
+        figures.append(f"the demo {ratio:.2f}x faster (median pair)")
+    return "; ".join(figures) + f", baseline {git_describe(args.baseline).split(' ', 1)[0]}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -235,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     rollouts = measure_rollouts(trees, args) if "b" in args.parts else None
     demo = measure_demo(trees, args) if "demo" in args.parts else None
     args.wall = time.perf_counter() - started
+    harness.write_summary_row(
+        args.out,
+        "bench_against_commit.py",
+        "this code vs an earlier commit, side by side: 32 agents on `small`, the demo from scratch",
+        headline(args, rollouts, demo),
+    )
     return harness.publish(section(args, rollouts, demo), args.out, SECTION_HEADING)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, alternating, command_line, dated_machine_line, publish
+from harness import HERE, alternating, command_line, dated_machine_line, publish, write_summary_row
 
 SECTION_HEADING = "## Asynchronous rollouts (bench_async.py)"
 DEMO = HERE.parent / "examples" / "train_agent.py"
@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             for ahead in alternating((0, 1), k):
                 results[ahead].append(demo(path, Path(tmp) / f"out{k}{ahead}", ahead, args))
                 print(f"round {k + 1}, --ahead {ahead}: {results[ahead][-1]}", flush=True)
+    sync, ahead = (statistics.median(r["grpo_s"] for r in results[k]) for k in (0, 1))
+    write_summary_row(
+        args.out,
+        "bench_async.py",
+        "the maze demo's GRPO phase with `--ahead 1` (asynchronous rollouts) vs the synchronous loop",
+        f"`--ahead 1` GRPO wall time {ahead / sync:.2f}x the synchronous loop's",
+    )
     return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 

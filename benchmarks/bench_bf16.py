@@ -38,6 +38,7 @@ from harness import (
     ensure_model,
     on_own_thread,
     publish,
+    write_summary_row,
 )
 
 SECTION_HEADING = "## bf16 vs fp32 (bench_bf16.py)"
@@ -54,12 +55,12 @@ def measure_round(
     turns (dtype after dtype, fused and PEFT's forward in turn), so that a slow minute of a noisy machine
     falls on both dtypes alike."""
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
-    from artrl.local.batch import TrainingBatch
-    from artrl.local.engine import SamplingParams
-    from artrl.local.engine_hf import HFEngine
-    from artrl.local.loading import load_model_and_tokenizer
-    from artrl.local.rows import Row
-    from artrl.local.trainer import Trainer, attach_adapter
+    from artrl.local.engine.contract import SamplingParams
+    from artrl.local.engine.hf.engine import HFEngine
+    from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.batch import TrainingBatch
+    from artrl.local.train.rows import Row
+    from artrl.local.train.trainer import Trainer, attach_adapter
 
     prompt = [(7 * i) % 1000 + 10 for i in range(40)]
     engines = {}
@@ -149,11 +150,11 @@ def agent_length_steps(folder: Path, args: argparse.Namespace) -> dict[tuple[str
     import random
 
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
-    from artrl.local.batch import TrainingBatch
-    from artrl.local.cpu_attention import NAME
-    from artrl.local.loading import load_model_and_tokenizer
-    from artrl.local.rows import Row
-    from artrl.local.trainer import Trainer, attach_adapter
+    from artrl.local.kernels.cpu_attention import NAME
+    from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.batch import TrainingBatch
+    from artrl.local.train.rows import Row
+    from artrl.local.train.trainer import Trainer, attach_adapter
 
     draw = random.Random(0)
     prompt = [draw.randrange(10, 1000) for _ in range(args.long_prompt)]
@@ -196,7 +197,7 @@ def profiled_step(trainer: Any, rows: list[Any]) -> tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
 
     from artrl.config import TrainConfig
-    from artrl.local.batch import TrainingBatch
+    from artrl.local.train.batch import TrainingBatch
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         trainer.step(TrainingBatch(rows=rows), TrainConfig(learning_rate=1e-6))
@@ -344,6 +345,20 @@ def section(
     return "\n".join(lines)
 
 
+MEASURES = "bf16 against fp32 on `small` + LoRA: a GRPO step, agent-length rows, decode"
+
+
+def headline(results: dict[str, list[dict[str, Any]]], long_steps: dict[tuple[str, str], list[float]]) -> str:
+    """The summary row's figures: bf16 over fp32 for the training step, agent-length rows and decode."""
+    med = {d: {k: statistics.median(r[k] for r in results[d]) for k in ("tok_s", "train_s")} for d in DTYPES}
+    long = {v: statistics.median(t) for v, t in long_steps.items()}
+    return (
+        f"bf16 training step {med['float32']['train_s'] / med['bfloat16']['train_s']:.2f}x fp32 "
+        f"(agent-length rows {long[LONG_VARIANTS[0]] / long[LONG_VARIANTS[1]]:.2f}x); decode "
+        f"{med['bfloat16']['tok_s'] / med['float32']['tok_s']:.2f}x"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -372,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"round {k + 1} {dtype}: {results[dtype][-1]}", flush=True)
     long_steps = agent_length_steps(folder, args)
+    write_summary_row(args.out, "bench_bf16.py", MEASURES, headline(results, long_steps))
     return publish(
         section(results, long_steps, args, time.perf_counter() - started), args.out, SECTION_HEADING
     )

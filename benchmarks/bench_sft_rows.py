@@ -33,7 +33,7 @@ from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
 from artrl.local.gateway.protocol import parse_request
 from artrl.local.gateway.serving import ChatServing
-from artrl.local.row_renderer import RowRenderer, default_workers
+from artrl.local.train.row_renderer import RowRenderer, default_workers
 
 SECTION_HEADING = "## Rendering through the chat template: SFT rows and gateway prompts (bench_sft_rows.py)"
 BEFORE, CHECKED = "marks walked, piecewise encode, 1 thread (before)", "marks checked, 1 thread"
@@ -169,6 +169,13 @@ def main() -> int:
         median = statistics.median(prepare[mode])
         lines.append(f"| {mode.replace(', 1 thread', '')} | {median:.2f} | {before_ms / median:.2f}x |")
     lines.append("")
+    harness.write_summary_row(
+        args.out,
+        "bench_sft_rows.py",
+        "rendering 4096 conversations into SFT rows, and a gateway request, through the chat template",
+        f"SFT rows {base / statistics.median(seconds[with_workers]):.2f}x (with {workers} render worker(s)), "
+        f"gateway prepare {before_ms / statistics.median(prepare[CHECKED]):.2f}x the code before",
+    )
     return harness.publish("\n".join(lines), args.out, SECTION_HEADING)
 
 

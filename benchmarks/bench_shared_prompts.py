@@ -24,14 +24,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import HERE, command_line, dated_machine_line, ensure_model, publish
+from harness import HERE, command_line, dated_machine_line, ensure_model, publish, write_summary_row
 
 SECTION_HEADING = "## Shared prompts in training (bench_shared_prompts.py)"
 SETTINGS = (("tiny", "float32"), ("small", "float32"), ("small", "bfloat16"))
 
 
 def group_rows(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
-    from artrl.local.rows import Row
+    from artrl.local.train.rows import Row
 
     rng = random.Random(seed)
     rows = []
@@ -52,10 +52,10 @@ def group_rows(args: argparse.Namespace, vocab: int, seed: int) -> list[Any]:
 
 def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
-    from artrl.local.batch import TrainingBatch
-    from artrl.local.cpu_attention import use_cpu_attention
-    from artrl.local.loading import load_model_and_tokenizer
-    from artrl.local.trainer import Trainer, attach_adapter
+    from artrl.local.kernels.cpu_attention import use_cpu_attention
+    from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.batch import TrainingBatch
+    from artrl.local.train.trainer import Trainer, attach_adapter
 
     model, tokenizer = load_model_and_tokenizer(str(folder), EngineConfig(dtype=dtype))
     model = attach_adapter(model, LoraConfig())
@@ -124,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     for preset, dtype in SETTINGS:
         results[(preset, dtype)] = measure(ensure_model(preset, args.model_cache), dtype, args)
         print(f"{preset} {dtype}: {results[(preset, dtype)]}", flush=True)
+    speedups = [f"{r['whole_s'] / r['shared_s']:.2f}x (`{p}`, {d})" for (p, d), r in results.items()]
+    write_summary_row(
+        args.out,
+        "bench_shared_prompts.py",
+        "a GRPO step with each group's prompt computed once vs whole rows (groups of 8)",
+        f"{', '.join(speedups)} the whole-rows step",
+    )
     return publish(section(results, args, time.perf_counter() - started), args.out, SECTION_HEADING)
 
 

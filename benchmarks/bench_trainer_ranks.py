@@ -17,13 +17,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import HERE, alternating, cpu_snapshot, ensure_model, foreign_cpu_share, machine_info, publish
+from harness import (
+    HERE,
+    alternating,
+    cpu_snapshot,
+    ensure_model,
+    foreign_cpu_share,
+    machine_info,
+    publish,
+    write_summary_row,
+)
 
 SECTION_HEADING = "## Trainer ranks: one GRPO step in 1 process and in N (FSDP2)"
 
 
 def step_rows(count: int, tokens: int, vocab: int, seed: int) -> list[Any]:
-    from artrl.local.rows import Row
+    from artrl.local.train.rows import Row
 
     rng = random.Random(seed)
     rows = []
@@ -43,7 +52,7 @@ def step_rows(count: int, tokens: int, vocab: int, seed: int) -> list[Any]:
 
 
 def timed_step(trainer: Any, rows: list[Any], config: Any) -> float:
-    from artrl.local.batch import TrainingBatch
+    from artrl.local.train.batch import TrainingBatch
 
     started = time.perf_counter()
     trainer.step(TrainingBatch(rows=rows), config)
@@ -69,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import artrl
     from artrl.config import EngineConfig, TrainerConfig
-    from artrl.local.loading import load_model_and_tokenizer
-    from artrl.local.trainer import Trainer, attach_adapter
-    from artrl.local.trainer_ranks import TrainerRanks
+    from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.ranks.trainer_ranks import TrainerRanks
+    from artrl.local.train.trainer import Trainer, attach_adapter
 
     folder = ensure_model(args.preset, args.model_cache)
     lora = artrl.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
@@ -118,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         *(f"| {m} | {median[m]:.3f} | {', '.join(f'{t:.3f}' for t in times[m])} |" for m in times),
         "",
     ]
+    one, many = median["1 process"], median[f"{args.ranks} ranks"]
+    write_summary_row(
+        args.out,
+        "bench_trainer_ranks.py",
+        f"one GRPO step (`{args.preset}`) in 1 process vs {args.ranks} FSDP2 trainer ranks",
+        f"{args.ranks} ranks: {many:.2f} s a step against {one:.2f} s in one process ({many / one:.2f}x the time)",
+    )
     return publish("\n".join(lines), args.out, SECTION_HEADING)
 
 

@@ -57,14 +57,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from harness import ensure_model, machine_info, write_section  # noqa: E402
+from harness import ensure_model, machine_info, write_section, write_summary_row  # noqa: E402
 from training_report import (  # noqa: E402
     FRAMEWORKS,
     FrameworkResult,
     heading,
+    headline,
     notes,
     ratio_text,
     section,
+    summary_key,
     table,
     target_line,
     versions,
@@ -286,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     print(target_line(all_results).replace("**", ""))
     print(f"wall time: {wall:.0f} s")
     write_section(args.out, section(all_results, args, info, wall), heading=heading(args.dtype))
+    write_summary_row(
+        args.out,
+        summary_key(args.dtype),
+        f"one GRPO optimizer step ({args.dtype}, LoRA) vs TRL's GRPOTrainer, side by side",
+        headline(all_results),
+    )
     print(f"wrote section {heading(args.dtype)!r} of {args.out}")
     return 0
 

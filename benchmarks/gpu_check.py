@@ -66,7 +66,7 @@ def skip_reason(setting: Setting, args: argparse.Namespace) -> str | None:
         if args.dry_run_cpu:
             return "skipped: vLLM's sleep mode needs CUDA"
         try:
-            from artrl.local.vllm_server import find_vllm_python
+            from artrl.local.engine.vllm.server import find_vllm_python
 
             find_vllm_python(None)
         except Exception as exc:  # (any reason it cannot start is a reason to skip)

@@ -1,5 +1,5 @@
 """What every benchmark here shares: the machine's description, the command line, the models built offline,
-resource readings, and writing one section of benchmarks/RESULTS.md."""
+resource readings, and writing one section and one summary row of benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import resource
 import shlex
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +68,7 @@ def command_line() -> str:
 def ensure_model(preset: str, cache: Path) -> Path:
     """Build the preset model folder once; reuse it when it was built from the same config."""
     from artrl.config import TINY_MODEL_PRESETS
-    from artrl.local.tiny_model import build_tiny_model
+    from artrl.local.models.tiny_model import build_tiny_model
 
     folder = cache / preset
     marker = folder / "artrl_tiny_model.json"
@@ -126,6 +128,64 @@ def write_section(path: Path, text: str, heading: str) -> None:
     path.write_text("".join(lines[:start]) + body + after)
 
 
+SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
+SUMMARY_HEADER = (
+    "| benchmark | measures | latest headline, against its baseline | machine | date | commit |",
+    "|---|---|---|---|---|---|",
+)
+
+
+def short_machine() -> str:
+    """`2-core AMD EPYC 9R14`: the summary table's machine cell."""
+    info = machine_info()
+    cpu = re.sub(r"\s*\(R\)|\s*\(TM\)|\s+\d+-Core|\s+Processor|\s+CPU\b.*", "", info["cpu"]).strip()
+    return f"{info['nproc']}-core {cpu}"
+
+
+def git_commit() -> str:
+    """This checkout's short commit, `+ local changes` when src/ or benchmarks/*.py differ from it; '' if none."""
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(REPO), *argv], capture_output=True, text=True, timeout=30, check=False
+        )
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        changed = sha and git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks/*.py")
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return f"{sha} + local changes" if changed else sha
+
+
+def write_summary_row(path: str | Path, benchmark: str, measures: str, headline: str) -> None:
+    """Set `benchmark`'s row (its first cell, e.g. `bench_x.py`) of the summary table between SUMMARY_START and
+    SUMMARY_END: what it measures, its headline against its baseline, this machine, today (UTC), this commit.
+    The row is added when missing; the table (under the file's title) too."""
+    cells = [f"`{benchmark}`", measures, headline, short_machine(), f"{dt.datetime.now(dt.UTC):%Y-%m-%d}"]
+    cells.append(git_commit() or "-")
+    row = "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+    path = Path(path)
+    lines = path.read_text().splitlines() if path.exists() else ["# Benchmarks"]
+    if SUMMARY_START not in lines or SUMMARY_END not in lines[lines.index(SUMMARY_START) :]:
+        at = 1 if lines and lines[0].startswith("# ") else 0
+        lines[at:at] = ["", SUMMARY_START, *SUMMARY_HEADER, SUMMARY_END]
+    start = lines.index(SUMMARY_START)
+    end = lines.index(SUMMARY_END, start)
+
+    def first_cell(line: str) -> str | None:
+        return line.split("|")[1].strip().strip("`") if line.startswith("|") and line.count("|") > 1 else None
+
+    at = next((i for i in range(start + 1, end) if first_cell(lines[i]) == benchmark), None)
+    if at is None:
+        lines.insert(end, row)
+    else:
+        lines[at] = row
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -148,8 +208,6 @@ def foreign_cpu_share(before: tuple[float, float, float], after: tuple[float, fl
 
 def vllm_version(timeout_s: float = 60.0) -> str | None:
     """The vllm(-cpu) version installed in .venv-vllm, or None (no such environment, or it did not answer)."""
-    import subprocess
-
     python = REPO / ".venv-vllm" / "bin" / "python"
     code = (
         "import importlib.metadata as m\n"

@@ -197,6 +197,24 @@ def target_line(all_results: dict[str, dict[str, FrameworkResult]]) -> str:
     )
 
 
+def summary_key(dtype: str) -> str:
+    """The first cell of this run's row in the summary table (the script, and its --dtype if not fp32)."""
+    return "bench_training.py" + ("" if dtype == "float32" else f" --dtype {dtype}")
+
+
+def headline(all_results: dict[str, dict[str, FrameworkResult]]) -> str:
+    """The summary row's figures: TRL's seconds / artrl's, the update and the full step, per preset."""
+    update, full = [], []
+    for preset, results in all_results.items():
+        value, whole = ratio(results), full_step_ratio(results)
+        if value is not None and whole is not None:
+            update.append(f"{value:.2f}x (`{preset}`)")
+            full.append(f"{whole:.2f}x")
+    if not update:
+        return "not measured (one framework only)"
+    return f"update {', '.join(update)} TRL GRPOTrainer's speed; full step {', '.join(full)}"
+
+
 def arena_setting(args: argparse.Namespace) -> str:
     if args.malloc_arena_max is not None:
         return f"{args.malloc_arena_max} (--malloc-arena-max) for both"
@@ -260,11 +278,6 @@ def section(
         "training; the largest over the rounds); *growth* = that peak minus the peak before the first step "
         "(generation and training; torch's first forward pass with gradients alone adds a few hundred MiB "
         "on the `small` model in either framework)",
-        "- artrl runs its training step on the engine's own thread (`HFEngine.call`) and sends only "
-        "trainable positions through the lm_head. Before that change (same benchmark, 2026-11-30 01:37 UTC) "
-        "artrl was 0.79x (tiny) and 0.95x (small) of TRL: training on an `asyncio.to_thread` worker gave a "
-        "second OpenMP team next to the engine thread's (libgomp throttles spin-waiting when threads exceed "
-        "CPUs) and a fresh glibc arena per new worker (~2x outlier steps, +0.5 GiB RSS)",
         f"- Medians over the measured steps; the first {args.warmup} step(s) of each subprocess are warm-up "
         "and dropped",
         f"- Command: `{command_line()}`",

@@ -4,7 +4,7 @@ passes it to its next call.
 A hub model arrives able to do that: copying a token from the context is among the first things a
 language model learns. The project's tiny model starts from random weights, and it learns the copy only
 after a long plateau (about 500 SFT steps even from a perfect teacher, longer from a weak one; see
-"Proof-of-learning experiments" in benchmarks/RESULTS.md). So when the demo runs on the tiny model it first
+benchmarks/TRIED.md). So when the demo runs on the tiny model it first
 gives it this skill on unrelated tools, keys and values — never the maze's tool, its breeze or its walls —
 and the maze task itself is left to the warm start and to RL. With `--base-model` this stage is skipped.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian's chromium for the dashboard's browser tests (tests/test_dashboard_browser.py), driven by the
+# Debian's chromium for the dashboard's browser tests (tests/local/dashboard/test_dashboard_browser.py), driven by the
 # playwright package with executable_path: no browser download. Idempotent; needs root (or sudo) and apt.
 set -euo pipefail
 if command -v chromium >/dev/null 2>&1; then

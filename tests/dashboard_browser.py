@@ -1,5 +1,5 @@
 """Open `artrl dashboard` over PATH in headless Chromium, check what it shows, and save screenshots (used by
-tests/test_dashboard_browser.py, and to make the screenshots in docs/dashboard.md):
+tests/local/dashboard/test_dashboard_browser.py, and to make the screenshots in docs/dashboard.md):
 
     .venv/bin/python tests/dashboard_browser.py --path .artrl --out docs/images
 

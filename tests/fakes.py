@@ -1,12 +1,14 @@
 """Fakes for tests: a real implementation of the Engine contract that plays back scripted token ids.
 
 The gateway under test (templates, continuation, tool parsing, HTTP) is the real one; only the choice of
-tokens is scripted, so tests can make a model "call a tool" deterministically.
+tokens is scripted, so tests can make a model "call a tool" deterministically (`encode` writes a script).
+Also engines that are slow or instant, a model whose forwards a hook sees, and a fake vLLM server's stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from dataclasses import dataclass, field
 
@@ -42,6 +44,11 @@ class ScriptedEngine:
 
     async def close(self) -> None:
         return None
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """`text`'s token ids, as a ScriptedEngine script (no special tokens added)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -181,3 +188,8 @@ def adapted(model, rank: int = 8, alpha: int = 16):
             if "lora_B" in name:
                 p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
     return model
+
+
+def sse(*chunks: dict) -> bytes:
+    """A vLLM server's streamed completion: each chunk as an SSE `data:` event, then `[DONE]`."""
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"

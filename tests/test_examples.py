@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dashboard_browser import problems
-from test_trackers import expected_metrics, tensorboard_metrics, tracker_env, trackio_metrics, wandb_runs
+from tracker_readers import expected_metrics, tensorboard_metrics
 
 from artrl.storage import read_history
 
@@ -106,13 +105,13 @@ def test_train_agent_learns_the_maze(tmp_path, demo_models):
     """The demo, shortened: pretraining stand-in + weak warm start + 16 GRPO steps on a LoRA. Validation
     success on unseen mazes must rise far beyond noise (48 mazes: one standard error is <= 0.07). At 12 steps
     the gain was +0.23..+0.35 over 6 runs (batch timing changes the sampled tokens): too close to the bar.
-    W&B (offline), TensorBoard and trackio each receive the demo's metrics, read back with their own readers."""
-    out, trackers = tmp_path / "out", tmp_path / "trackers"
+    (What the trackers and the dashboard make of a run is theirs to test: tests/history/test_trackers.py,
+    tests/local/dashboard/; the demo's --report-to, test_train_agent_takes_a_model_folder_as_base_model.)"""
+    out = tmp_path / "out"
     with demo_models(tmp_path / "artrl", "tiny"):
         stdout = run_train_agent(
             *("--path", str(tmp_path / "artrl"), "--out", str(out), "--steps", "16"),
-            *("--val-size", "48", "--eval-every", "8", "--report-to", "tensorboard,wandb,trackio"),
-            env=tracker_env(trackers),  # W&B offline; every tracker's files under tmp_path
+            *("--val-size", "48", "--eval-every", "8"),
             timeout=900,
         )
     summary = json.loads((out / "summary_seed0.json").read_text())
@@ -128,19 +127,6 @@ def test_train_agent_learns_the_maze(tmp_path, demo_models):
     assert "before" in stdout and "after" in stdout  # the printed table
     assert "GRPO: 100%" in stdout and "validation: 100%" in stdout  # the live bars (gather's for validation)
     assert f"artrl dashboard {tmp_path / 'artrl'}" in stdout
-
-    (directory,) = (tmp_path / "artrl" / "maze").glob("maze-seed0-*")  # the GRPO model's folder
-    expected = expected_metrics(read_history(directory))
-    assert sorted(s for tag, s in expected if tag == "train/reward_mean") == list(range(1, 17))
-    assert sorted(s for tag, s in expected if tag == "val/success_mean") == [0, 8, 16]
-    assert tensorboard_metrics(directory / "tensorboard") == pytest.approx(expected, rel=1e-6)
-    assert {k: v for _, metrics in wandb_runs(directory) for k, v in metrics.items()} == expected
-    assert trackio_metrics(trackers / "trackio", "maze", directory.name) == expected
-    # the demo's run in the dashboard, in headless Chromium: its curves, and a trajectory of the last step
-    # with its trained tokens highlighted
-    seen = visit_dashboard(tmp_path / "artrl", tmp_path / "screenshots", f"maze/{directory.name}")
-    assert problems(seen) == [] and "val/success_mean" in seen["metrics"]
-    assert (seen["split"], seen["step"]) == ("train", "16") and seen["trained_tokens"] > 0
 
 
 @pytest.mark.slow
@@ -166,31 +152,19 @@ def test_train_agent_learns_with_asynchronous_rollouts(tmp_path, demo_models):
     assert all(h["trajectories_dropped_stale"] == 0 for h in summary["history"])
 
 
-def visit_dashboard(root: Path, out: Path, run: str) -> dict:
-    from dashboard_browser import visit
-
-    from artrl.config import DashboardConfig
-    from artrl.local.dashboard.app import start_dashboard
-
-    out.mkdir()
-    server = start_dashboard(root, DashboardConfig(port=0))
-    try:
-        return visit(f"http://{server.host}:{server.port}/", out, run)
-    finally:
-        server.stop()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path, engine, demo_models):
     """--base-model with a locally built folder standing in for a hub model: no pretraining stand-in, the
-    warm start fine-tunes that folder, then GRPO runs, without code changes; on either rollout engine."""
+    warm start fine-tunes that folder, then GRPO runs, without code changes; on either rollout engine.
+    --report-to reaches the model: TensorBoard (the quickest tracker to start) holds the run's history."""
     out = tmp_path / "out"
     with demo_models(tmp_path / "artrl", "model-folder"):  # (the warm start: the same for either engine)
         run_train_agent(
             *("--base-model", str(tiny_model_dir), "--path", str(tmp_path / "artrl"), "--out", str(out)),
             *("--steps", "1", "--val-size", "4", "--sft-examples", "32", "--eval-every", "0"),
             *("--groups-per-step", "2", "--group-size", "2", "--engine", engine),
+            *("--report-to", "tensorboard"),
             timeout=600,
         )
     tag = "seed0" if engine == "hf" else f"seed0_{engine}"
@@ -201,6 +175,10 @@ def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path
     assert summary["history"][0].get("logprob_mismatch_mean", 0.0) < 1e-3
     models = sorted(p.name for p in (tmp_path / "artrl" / "models").iterdir())
     assert len(models) == 1 and models[0].startswith("maze-warm-")  # no tiny model built, no pretraining
+    (directory,) = (tmp_path / "artrl" / "maze").glob("maze-seed0-*")  # the GRPO model's folder
+    expected = expected_metrics(read_history(directory))
+    assert ("train/reward_mean", 1) in expected
+    assert tensorboard_metrics(directory / "tensorboard") == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.slow

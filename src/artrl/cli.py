@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     tiny = commands.add_parser("tiny-model", help="build a small model folder offline")
     tiny.add_argument("directory", help="output folder (Hugging Face format)")
-    tiny.add_argument("--preset", default="tiny", help="tiny (~0.4M params) or small (~27M)")
+    tiny.add_argument("--preset", default="tiny", help="tiny (~0.23M parameters) or small (~27M)")
     tiny.add_argument(
         "--family",
         default=None,

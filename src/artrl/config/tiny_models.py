@@ -25,9 +25,9 @@ class TinyModelConfig(_Frozen):
 
 
 TINY_MODEL_PRESETS: dict[str, TinyModelConfig] = {
-    # ~0.4M parameters: the test and demo model.
+    # 229,824 parameters: the test and demo model.
     "tiny": TinyModelConfig(),
-    # ~27M parameters: the benchmark model (per-token cost of a real, if small, transformer).
+    # 27,272,704 parameters: the benchmark model (per-token cost of a real, if small, transformer).
     "small": TinyModelConfig(
         vocab_size=4096,
         hidden_size=512,

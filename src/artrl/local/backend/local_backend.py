@@ -1,18 +1,16 @@
-"""`LocalBackend` (public as `artrl.LocalBackend`): serve and train models on this machine — the wiring of
-service, trainer and storage, in one place. Light to import: the engine, gateway and trainer load on
-`register` (`artrl.local.service.service`)."""
+"""`LocalBackend` (public as `artrl.LocalBackend`): serve and train models on this machine. A small facade:
+it checks the user's arguments, translates ART's names once, and hands every call to one of two modes —
+`ModelsHere` (models_here.py: everything in this process) or `ServiceProcess` (service_process.py: the same
+in a child process, over pipes). Light to import: the engine, gateway and trainer load on `register`."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import os
-import random
-import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from artrl.art_names import train_config
 from artrl.config import (
     CheckpointRetention,
     EngineConfig,
@@ -22,37 +20,21 @@ from artrl.config import (
     TrainerConfig,
     VLLMConfig,
 )
-from artrl.history.trackers import Trackers, open_trackers
-from artrl.local.concurrency.shielded import to_the_end
-from artrl.local.service.checkpoints import delete_unkept, save_tokenizer
-from artrl.local.service.step_commits import CheckpointError, StepCommits
+from artrl.local.service.step_commits import CheckpointError
 from artrl.model import TrainableModel, TrainResult
-from artrl.storage import (
-    append_history,
-    atomic_write_json,
-    checkpoint_dir,
-    latest_step,
-    model_dir,
-    repair_history,
-    write_step_rows,
-    write_trajectories,
-)
+from artrl.storage import latest_step, model_dir
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
+    from artrl.local.backend.models_here import ModelsHere
     from artrl.local.backend.service_process import ServiceProcess
     from artrl.local.service.service import LocalService
-    from artrl.local.train.row_renderer import RowRenderer
 
 __all__ = ["CheckpointError", "LocalBackend"]  # (CheckpointError: public as artrl.CheckpointError)
-log = logging.getLogger(__name__)
-
-
-RESERVED_SPLITS = ("train", "sft")  # written by model.train / model.train_sft, never by model.log
 
 
 class LocalBackend:
-    """Runs the trainer and the OpenAI-compatible gateway in this process, and the engine behind it.
+    """Serves and trains models on this machine: the OpenAI-compatible gateway, the engine, the trainer.
 
     `engine="hf"` (default): the embedded engine, in this process, on the trainer's own weights.
     `engine="vllm"`: a vLLM server that artrl starts and supervises (its environment: `bash
@@ -93,23 +75,15 @@ class LocalBackend:
         self.engine_config = engine
         self.gateway_config = gateway or GatewayConfig()
         self.trainer_config = trainer or TrainerConfig()
-        self._services: dict[tuple[str, str], LocalService] = {}
-        self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._trackers: dict[tuple[str, str], Trackers] = {}
-        # checkpoints written, engines updated, rows recorded (a step whose checkpoint failed: before the next)
-        self._commits = StepCommits(self._record)
-        self._renderer: RowRenderer | None = None  # (train_sft's render workers, started on first use)
-        self._process: ServiceProcess | None = None  # in_process=False: the child that serves and trains
-        if not in_process:
+        self._models: ModelsHere | ServiceProcess
+        if in_process:
+            from artrl.local.backend.models_here import ModelsHere
+
+            self._models = ModelsHere(self.path, engine, self.gateway_config, self.trainer_config)
+        else:
             from artrl.local.backend.service_process import ServiceProcess
 
-            settings = {
-                "engine": self.engine_config,
-                "gateway": self.gateway_config,
-                "trainer": self.trainer_config,
-            }
-            self._process = ServiceProcess({"path": self.path, **settings})
-            self._process.start()  # (its imports overlap whatever this process does before register)
+            self._models = ServiceProcess(self.path, engine, self.gateway_config, self.trainer_config)
 
     async def __aenter__(self) -> LocalBackend:
         return self
@@ -118,88 +92,22 @@ class LocalBackend:
         await self.close()
 
     def service(self, model: TrainableModel) -> LocalService:
-        if self._process is not None:
-            raise RuntimeError(
-                "this backend's services run in a child process (LocalBackend(in_process=False))"
-            )
-        try:
-            return self._services[(model.project, model.name)]
-        except KeyError:
-            raise RuntimeError(f"model {model.name!r} is not registered with this backend") from None
+        """The model's service (weights, engine, gateway, trainer), for tests and tools in this process."""
+        return self._models.service(model)
 
-    def directory(self, model: TrainableModel):
+    def directory(self, model: TrainableModel) -> Path:
         return model_dir(self.path, model.project, model.name)
 
     def registered(self, model: TrainableModel) -> bool:
-        return (model.project, model.name) in self._services
+        return self._models.registered(model)
 
     async def register(self, model: TrainableModel) -> tuple[str, str]:
-        if self._process is not None:
-            return await self._process.register(model)
-        from artrl.local.service.service import LocalService
-
-        key = (model.project, model.name)
-        if key in self._services:
-            raise ValueError(f"model {model.name!r} of project {model.project!r} is already registered")
-        directory = self.directory(model)
-        spec = {
-            "name": model.name,
-            "project": model.project,
-            "base_model": model.base_model,
-            "lora": model.lora.model_dump(mode="json") if model.lora else None,
-            "chat_format": model.chat_format,
-        }
-        saved = directory / "model.json"
-        if saved.exists():
-            before = json.loads(saved.read_text())
-            changed = [k for k in ("base_model", "lora") if before.get(k) != json.loads(json.dumps(spec[k]))]
-            if changed and latest_step(directory) > 0:
-                raise ValueError(
-                    f"{directory} holds checkpoints of this model with a different {', '.join(changed)}; "
-                    "use another model name (or remove that folder) to start afresh"
-                )
-        atomic_write_json(
-            saved,
-            {
-                **spec,
-                "engine": self.engine_config.model_dump(),
-                "gateway": self.gateway_config.model_dump(exclude={"api_key"}),
-                "trainer": self.trainer_config.model_dump(),
-            },
-        )
-        step = latest_step(directory)
-        repair_history(directory)
-        service = await asyncio.to_thread(
-            LocalService.start,
-            model.name,
-            model.base_model,
-            self.engine_config,
-            self.gateway_config,
-            model.lora,
-            checkpoint_dir(directory, step) if step > 0 else None,
-            directory,
-            model.chat_format,
-            True,
-            self.trainer_config,
-        )
-        self._services[key] = service
-        self._train_locks[key] = asyncio.Lock()
-        if not (directory / "tokenizer").exists():  # for `artrl dashboard` to show tokens as text
-            await asyncio.to_thread(save_tokenizer, service, directory)
-        self._trackers[key] = await asyncio.to_thread(  # W&B starts a process: seconds
-            open_trackers, model.report_to, directory, model.project, model.name, spec
-        )
-        return service.base_url, self.gateway_config.api_key or "artrl"
+        """Serve `model` (its latest checkpoint, if any): the gateway's base URL and API key."""
+        return await self._models.register(model)
 
     def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
-        """The gateway in this process, reached without a socket (see local/gateway/in_process.py), or in the child
-        process over its pipe (in_process=False)."""
-        if self._process is not None:
-            return self._process.transport(model, sync) if self.gateway_config.in_process_clients else None
-        service = self._services.get((model.project, model.name))
-        if service is None or not self.gateway_config.in_process_clients:
-            return None
-        return service.server.transport(sync)
+        """An httpx transport to the model's gateway without a socket (None: use HTTP)."""
+        return self._models.client_transport(model, sync)
 
     async def get_step(self, model: TrainableModel) -> int:
         return latest_step(self.directory(model))
@@ -213,100 +121,21 @@ class LocalBackend:
     ) -> TrainResult:
         """One GRPO step of `model` on `groups` (what `model.train` does). ART's form works too:
         `backend.train(model, groups, learning_rate=5e-6, ...)` (the names artrl.art_names knows)."""
-        from artrl.art_names import train_config
-
-        config = train_config(config, art_settings)
-        groups = list(groups)
-        if self._process is not None:  # (the child finishes a step whole even if this call is cancelled)
-            return await to_the_end(self._process.call("train", model.model_dump(), groups, config))
-        from artrl.local.train.batch import build_batch, check_groups, drop_stale, step_record
-
-        service = self.service(model)
-        directory = self.directory(model)
-        async with self._train_locks[(model.project, model.name)]:
-            await self._commits.write_unsaved(model, service, directory)
-            check_groups(groups)  # (every trajectory, the stale ones too: they are written below)
-            fresh, staleness, origin = drop_stale(groups, latest_step(directory), config.max_staleness)
-            if staleness["trajectories_dropped_stale"] and not any(g.trajectories for g in fresh):
-                log.warning(
-                    "every trajectory of this step was sampled more than max_staleness=%s steps ago: nothing is "
-                    "trained (with artrl.rollouts_ahead(ahead=k), set TrainConfig(max_staleness=k) or more)",
-                    config.max_staleness,
-                )
-            batch = build_batch(
-                fresh,
-                service.chat_format,
-                service.max_context,
-                config.scale_rewards,
-                config.advantage_eps,
-                config.allow_rendered_turns,
-                config.chat_template_kwargs,
-            )
-            # the rows' places in `groups` as written (build_batch saw `fresh`)
-            batch.locations = [(g, origin[g][t]) for g, t in batch.locations]
-            step = latest_step(directory) + 1
-            write_trajectories(directory, "train", step, groups)
-            metrics = {**batch.metrics, **staleness}
-
-            async def whole_step() -> None:
-                started = time.time()
-                if batch.rows:
-                    metrics.update(await service.train_step(batch, config))
-                else:
-                    metrics["optimizer_steps"] = 0
-                metrics["step_seconds"] = time.time() - started
-                if config.save_rows:
-                    await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
-                await self._commits.complete(model, service, directory, step, "train", metrics)
-
-            # a cancelled caller still gets the step saved and recorded (its weights change) before it is
-            # cancelled: no step trains unrecorded, the next one is numbered after it
-            await to_the_end(whole_step())
-        return TrainResult(step=step, metrics=metrics)
+        if art_settings or config is None:
+            config = train_config(config, art_settings)
+        return await self._models.train(model, list(groups), config)
 
     async def train_sft(
         self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
     ) -> TrainResult:
         if not trajectories:
             raise ValueError("train_sft() got no trajectories")
-        if self._process is not None:
-            return await to_the_end(self._process.call("train_sft", model.model_dump(), trajectories, config))
-        from artrl.local.train.row_renderer import RowRenderer, sft_rows
-
-        service = self.service(model)
-        directory = self.directory(model)
-        async with self._train_locks[(model.project, model.name)]:
-            await self._commits.write_unsaved(model, service, directory)
-            self._renderer = self._renderer or RowRenderer()
-            per_trajectory = await sft_rows(self._renderer, service.chat_format, trajectories, config)
-            too_long = sum(len(r.ids) > service.max_context for rows in per_trajectory for r in rows)
-            per_trajectory = [
-                [r for r in rows if len(r.ids) <= service.max_context] for rows in per_trajectory
-            ]
-            rng = random.Random(config.seed)
-            steps: list[list[Any]] = []
-            for _ in range(config.epochs):
-                order = list(range(len(trajectories)))
-                rng.shuffle(order)
-                for k in range(0, len(order), config.batch_size):
-                    steps.append([r for i in order[k : k + config.batch_size] for r in per_trajectory[i]])
-            step = latest_step(directory) + 1
-            write_trajectories(directory, "sft", step, [TrajectoryGroup(trajectories)])
-            metrics: dict[str, float] = {"trajectories": len(trajectories), "rows_skipped_too_long": too_long}
-
-            async def whole_step() -> None:  # (as in train: saved and recorded even when cancelled)
-                metrics.update(await service.train_sft(steps, config))
-                await self._commits.complete(model, service, directory, step, "sft", metrics)
-
-            await to_the_end(whole_step())
-        return TrainResult(step=step, metrics=metrics)
+        return await self._models.train_sft(model, trajectories, config)
 
     async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:
         """Write the current weights as a Hugging Face folder with the tokenizer: a full model after full
         fine-tuning (usable as `base_model=`), or a PEFT adapter folder (referencing its base) with LoRA."""
-        if self._process is not None:
-            return await self._process.call("export", model.model_dump(), os.fspath(directory))
-        await self.service(model).export(os.fspath(directory))
+        await self._models.export(model, os.fspath(directory))
 
     async def log(
         self,
@@ -318,59 +147,11 @@ class LocalBackend:
     ) -> dict[str, float]:
         """A history row of `split` at `step` (default: the current): the groups' reward and metric means,
         then `metrics` as given; the groups' trajectories are written under that step."""
-        if self._process is not None:
-            return await self._process.call("log", model.model_dump(), groups, split, metrics, step)
-        if split in RESERVED_SPLITS:
-            raise ValueError(
-                f"split {split!r} holds what model.train/train_sft trained on (logging under it would overwrite "
-                "that step's trajectories); log evaluations under another name, such as 'val'"
-            )
-        directory = self.directory(model)
-        if step is None:
-            step = latest_step(directory)
-        elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a step number >= 0, got {step!r}")
-        row: dict[str, float] = {}
-        if groups:
-            rewards = [t.reward for g in groups for t in g.trajectories]
-            row = {
-                "trajectories": len(rewards),
-                "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            }
-            for name in sorted({k for g in groups for t in g.trajectories for k in t.metrics}):
-                values = [float(t.metrics[name]) for g in groups for t in g.trajectories if name in t.metrics]
-                row[f"{name}_mean"] = sum(values) / len(values)
-            write_trajectories(directory, split, step, groups)
-        for name, value in (metrics or {}).items():
-            if name in ("step", "split", "time"):
-                raise ValueError(f"metric name {name!r} is a column of every history row; rename it")
-            row[name] = float(value)
-        self._record(model, directory, {"step": step, "split": split, "time": time.time(), **row})
-        return row
-
-    def _record(self, model: TrainableModel, directory, row: dict[str, Any]) -> None:
-        """A history row: on disk (fsynced) first, then to the model's trackers (which never raise)."""
-        append_history(directory, row)
-        trackers = self._trackers.get((model.project, model.name))
-        if trackers is not None:
-            trackers.log(row)
+        return await self._models.log(model, groups, split, metrics, step)
 
     async def delete_checkpoints(self, model: TrainableModel, retention: CheckpointRetention) -> list[int]:
         """Delete the checkpoints `retention` does not keep (never the latest); return their steps."""
-        if self._process is not None:
-            return await self._process.call("delete_checkpoints", model.model_dump(), retention)
-        self.service(model)  # registered with this backend (its training lock guards the folder)
-        async with self._train_locks[(model.project, model.name)]:
-            return await delete_unkept(self.directory(model), retention)
+        return await self._models.delete_checkpoints(model, retention)
 
     async def close(self) -> None:
-        if self._process is not None:
-            await self._process.close()
-        if self._renderer is not None:
-            await asyncio.to_thread(self._renderer.close)
-        services, self._services = list(self._services.values()), {}
-        trackers, self._trackers = list(self._trackers.values()), {}
-        for service in services:
-            await service.close()
-        for tracker in trackers:
-            await asyncio.to_thread(tracker.close)
+        await self._models.close()

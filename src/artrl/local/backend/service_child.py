@@ -1,5 +1,5 @@
 """The artrl service process (`python -m artrl.local.backend.service_child READ_FD WRITE_FD`): an ordinary
-`LocalBackend` that `LocalBackend(in_process=False)` drives over two pipes (the frames: local/backend/service_process.py).
+`ModelsHere` (the in-process mode) that `LocalBackend(in_process=False)` drives over two pipes (the frames: local/backend/service_process.py).
 
 It ends when the user's process asks it to, or when that process is gone (its pipe closes): every model's
 engine, gateway and trainer is closed first, as `LocalBackend.close` does.
@@ -18,7 +18,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from artrl.local.backend.local_backend import LocalBackend
+from artrl.local.backend.models_here import ModelsHere
 from artrl.local.gateway.in_process import AppLink, AppSide
 from artrl.model import TrainableModel
 
@@ -28,7 +28,7 @@ METHODS = ("register", "train", "train_sft", "log", "export", "delete_checkpoint
 class _Child:
     def __init__(self, outbox: Connection) -> None:
         self._outbox, self._lock = outbox, threading.Lock()
-        self.backend: LocalBackend | None = None
+        self.backend: ModelsHere | None = None
         self.models: dict[tuple[str, str], TrainableModel] = {}
         self.incoming: dict[int, tuple[_Incoming, AppLink]] = {}  # requests the gateway is answering
 
@@ -44,7 +44,7 @@ class _Child:
             _, settings = pickle.loads(await loop.run_in_executor(None, inbox.recv_bytes))
         except (EOFError, OSError):
             return
-        self.backend = LocalBackend(**settings)
+        self.backend = ModelsHere(**settings)
         # the engine, gateway and trainer modules (torch, transformers: seconds) imported before the first
         # register asks for them (the import lock makes that one wait for this import, not start another)
         threading.Thread(

@@ -1,9 +1,9 @@
 """The local service in a child process of its own: `LocalBackend(in_process=False)`, seen from the user's side.
 
-The child (`artrl.local.backend.service_child`) runs an ordinary `LocalBackend`: engines, gateways and trainers, one
+The child (`artrl.local.backend.service_child`) runs the in-process mode (`ModelsHere`): engines, gateways and trainers, one
 copy of the weights, as in one process. This process keeps the agents, their openai SDK calls and the user's
 code, so that on a small machine the SDK's Python work runs beside the engine instead of taking turns with it
-on one interpreter lock (benchmarks/RESULTS.md, "Rollout speed"). Between the two, two pipes of pickled
+on one interpreter lock (benchmarks/TRIED.md). Between the two, two pipes of pickled
 frames (`multiprocessing.connection.Connection` over `os.pipe`, as the trainer ranks use; no
 `multiprocessing` start method, so a user's unguarded script is never re-run):
 
@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from artrl.local.concurrency.piped_process import start_piped
+from artrl.local.concurrency.shielded import to_the_end
 from artrl.local.gateway.in_process import link_transport
 
 if TYPE_CHECKING:
+    from artrl.config import EngineConfig, GatewayConfig, TrainerConfig
     from artrl.model import TrainableModel
 
 log = logging.getLogger(__name__)
@@ -55,8 +57,16 @@ def model_settings(model: TrainableModel) -> dict[str, Any]:
 class ServiceProcess:
     """One child process serving and training every model of one `LocalBackend(in_process=False)`."""
 
-    def __init__(self, backend_settings: dict[str, Any]) -> None:
-        self._settings = backend_settings  # LocalBackend's keyword arguments in the child
+    def __init__(
+        self, path: str, engine: EngineConfig, gateway: GatewayConfig, trainer: TrainerConfig
+    ) -> None:
+        self.gateway_config = gateway
+        self._settings = {
+            "path": path,
+            "engine": engine,
+            "gateway": gateway,
+            "trainer": trainer,
+        }  # (ModelsHere's)
         self._proc: subprocess.Popen | None = None
         self._out: Connection | None = None
         self._send_lock = threading.Lock()
@@ -66,6 +76,7 @@ class ServiceProcess:
         self._ids = itertools.count()
         self._dead: str | None = None
         self._servers: dict[tuple[str, str], tuple[str, int]] = {}
+        self.start()  # (its imports overlap whatever this process does before register)
 
     # -- the process
 
@@ -166,12 +177,35 @@ class ServiceProcess:
         self._servers[(model.project, model.name)] = server
         return base_url, api_key
 
-    def transport(self, model: TrainableModel, sync: bool = False) -> Any:
-        """An httpx transport to the model's gateway in the child, over the pipe (None: not registered)."""
+    def registered(self, model: TrainableModel) -> bool:
+        return (model.project, model.name) in self._servers
+
+    def service(self, model: TrainableModel) -> Any:
+        raise RuntimeError("this backend's services run in a child process (LocalBackend(in_process=False))")
+
+    def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
+        """An httpx transport to the model's gateway in the child, over the pipe (None: not registered, or
+        GatewayConfig(in_process_clients=False))."""
         key = (model.project, model.name)
-        if key not in self._servers:
+        if key not in self._servers or not self.gateway_config.in_process_clients:
             return None
         return link_transport(_PipeLink(self, key), *self._servers[key], sync)
+
+    # (the child finishes a training step whole even if this call is cancelled)
+    async def train(self, model: TrainableModel, groups: list[Any], config: Any) -> Any:
+        return await to_the_end(self.call("train", model_settings(model), groups, config))
+
+    async def train_sft(self, model: TrainableModel, trajectories: list[Any], config: Any) -> Any:
+        return await to_the_end(self.call("train_sft", model_settings(model), trajectories, config))
+
+    async def export(self, model: TrainableModel, directory: str) -> None:
+        return await self.call("export", model_settings(model), directory)
+
+    async def log(self, model: TrainableModel, *args: Any) -> dict[str, float]:
+        return await self.call("log", model_settings(model), *args)
+
+    async def delete_checkpoints(self, model: TrainableModel, retention: Any) -> list[int]:
+        return await self.call("delete_checkpoints", model_settings(model), retention)
 
     async def close(self) -> None:
         """The child's backend closed (its engines, servers, trainers), then the child ended."""

@@ -23,9 +23,7 @@ class Family:
     response_template: str  # name of a response template in trl.chat_template_utils
     trl_chat_templates: tuple[str, ...] = ()  # trl.chat_template_utils names of real templates of this family
     markers: tuple[str, ...] = ()  # all of these in a chat template = this family (checked in FAMILIES order)
-    reasoning_key: str | None = "reasoning_content"  # the message key the template reads reasoning from
     stop_tokens: tuple[str, ...] = ()  # tokens that end an assistant turn (with the tokenizer's eos)
-    one_call_per_turn: bool = False  # the template renders at most one tool call per assistant turn
     template_patch: dict[str, Any] = field(default_factory=dict)  # artrl's additions to the response template
 
 
@@ -43,9 +41,7 @@ FAMILIES: tuple[Family, ...] = (
         "gptoss_template",
         ("gptoss_chat_template",),
         markers=("<|channel|>", "<|message|>", "to=functions."),
-        reasoning_key="thinking",
         stop_tokens=("<|return|>", "<|call|>"),
-        one_call_per_turn=True,
         template_patch={
             "fields": {
                 "tool_calls": {"open_pattern": _GPT_OSS_CALL},
@@ -96,9 +92,7 @@ FAMILIES: tuple[Family, ...] = (
         "llama3_template",
         ("llama3_1_chat_template", "llama3_2_chat_template"),
         markers=("<|start_header_id|>", '"parameters"'),
-        reasoning_key=None,
         stop_tokens=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
-        one_call_per_turn=True,
     ),
     Family(
         "qwen3",
@@ -114,7 +108,6 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3_template",
         ("qwen2_5_chat_template",),
         markers=("<tool_call>",),
-        reasoning_key=None,
         stop_tokens=("<|im_end|>", "<|endoftext|>"),
     ),
 )
@@ -123,7 +116,6 @@ PLAIN = Family(
     "plain",
     "no known tool-call format: the whole output is content (tools are rendered, calls are not parsed)",
     "",
-    reasoning_key=None,
 )
 
 BY_NAME: dict[str, Family] = {f.name: f for f in (*FAMILIES, PLAIN)}

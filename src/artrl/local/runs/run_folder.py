@@ -49,12 +49,6 @@ class Run:
             )
         return step, checkpoint_dir(self.directory, step)
 
-    @property
-    def tokenizer_source(self) -> str:
-        """The run's saved tokenizer, or the base model's where the run predates that copy."""
-        saved = self.directory / "tokenizer"
-        return str(saved) if saved.is_dir() else self.base_model
-
 
 def open_run(path: str | Path) -> Run:
     directory = Path(path)

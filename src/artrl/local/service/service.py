@@ -5,22 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig, VLLMConfig
+from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig
 from artrl.local.chat_format import ChatFormat
-from artrl.local.concurrency.shielded import to_thread_to_the_end
 from artrl.local.engine.contract import Engine
 from artrl.local.engine.hf.engine import HFEngine
-from artrl.local.engine.vllm.engine import VLLMEngine
-from artrl.local.engine.vllm.replicas import Replica
-from artrl.local.engine.vllm.server import VLLMServer, replica_placement
+from artrl.local.engine.vllm.launch import VLLMLaunch
 from artrl.local.gateway.app import create_app
 from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
@@ -197,15 +191,10 @@ class LocalService:
         return await self._train(lambda trainer: trainer.sft(steps, config))
 
     async def _train(self, call: Callable[[Any], dict[str, float]]) -> dict[str, float]:
-        """In this process: where nothing else touches the weights (the embedded engine's thread). In the
-        trainer ranks: while the engine keeps serving the previous weights, which are then replaced."""
-        trainer = self._trainer()
+        """Where the trainer decides (see `Trainer.run`, `TrainerRanks.run`), inside the engine's training
+        context."""
         async with self.training():
-            if isinstance(trainer, Trainer):
-                return await self.run_exclusive(lambda: call(trainer))
-            metrics = await to_thread_to_the_end(call, trainer)
-            await self.run_exclusive(trainer.load_update)
-            return metrics
+            return await self._trainer().run(call, self.engine)
 
     def save_weights(self, directory: str) -> None:
         """Adapter or full weights and the optimizer state into `directory` (call it through run_exclusive)."""
@@ -263,120 +252,3 @@ def main_copy_config(
     dtype = str(pick_dtype(engine_config, device)).removeprefix("torch.")
     load = engine_config.load.model_copy(update={"attn_implementation": None})  # (kernels of the GPU)
     return engine_config.model_copy(update={"device": "cpu", "dtype": dtype, "load": load})
-
-
-@dataclass(frozen=True)
-class VLLMLaunch:
-    """How vLLM serves one model: started by artrl (on the base weights, or on a full-weights checkpoint), or
-    the server at `VLLMConfig.url`."""
-
-    served_name: str
-    base_model: str
-    engine_config: EngineConfig
-    max_context: int
-    lora: LoraConfig | None
-    log_dir: Path | None
-
-    def engine(self, resume_from: Path | None) -> VLLMEngine:
-        """The engine, with `resume_from`'s weights served: its adapter loaded, or its full weights."""
-        config = self.engine_config.vllm
-        start = None
-        full_weights = resume_from if self.lora is None else None
-        if config.urls:
-            if self.lora is None:
-                raise ValueError(
-                    "full fine-tuning (lora=None) with a vLLM server artrl did not start (vllm_url) cannot "
-                    "reload the weights after a step; train a LoRA, or let artrl start the server"
-                )
-            served = {served_model_of(url, config) for url in config.urls}
-            if len(served) > 1:
-                raise ValueError(f"the vLLM servers at {list(config.urls)} serve different models: {served}")
-            replicas = [Replica(i, url.rstrip("/"), config.api_key) for i, url in enumerate(config.urls)]
-            base = served.pop()
-        else:
-            with ThreadPoolExecutor(config.replicas) as pool:
-                starts = [pool.submit(self.server, i, full_weights) for i in range(config.replicas)]
-                wait(starts)
-            if any(f.exception() for f in starts):
-                for f in starts:
-                    if f.exception() is None:
-                        f.result().stop()
-                raise next(f.exception() for f in starts if f.exception())  # type: ignore[misc]
-            servers = [f.result() for f in starts]
-            replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(servers)]
-            base = self.served_name
-
-            def start(index: int, checkpoint: str | None, cancel: threading.Event) -> VLLMServer:
-                return self.server(index, Path(checkpoint) if checkpoint else None, cancel)
-
-        idle_s = self.engine_config.engine_thread_idle_s
-        engine = VLLMEngine(replicas, base, self.served_name, self.max_context, config, start, idle_s)
-        engine.replicas.weights = str(full_weights) if full_weights else None
-        if self.lora is not None and resume_from is not None:
-            try:
-                asyncio.run(engine.load_adapter(int(resume_from.name), str(resume_from)))
-            except BaseException:
-                asyncio.run(engine.close())
-                raise
-        return engine
-
-    def server(
-        self, index: int = 0, full_weights: Path | None = None, cancel: threading.Event | None = None
-    ) -> VLLMServer:
-        """Replica `index`'s supervised server on the base model (adapters enabled with a LoRA), or on a full
-        checkpoint; several replicas on one machine get their own cores or GPUs (replica_placement)."""
-        device = pick_device(self.engine_config)
-        config = self.engine_config.vllm
-        user_env = {**config.env, **(config.replica_env[index] if config.replica_env else {})}
-        on_cpu = device.type == "cpu"
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else None
-        if gpus is None and device.type == "cuda":
-            import torch
-
-            gpus = [str(i) for i in range(torch.cuda.device_count())]
-        placement = replica_placement(
-            index,
-            config.replicas,
-            config.tensor_parallel_size,
-            on_cpu,
-            sorted(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else list(range(os.cpu_count() or 1)),
-            {**os.environ, **user_env} if on_cpu else user_env,
-            gpus,
-        )
-        log_name = "vllm.log" if config.replicas == 1 else f"vllm-{index}.log"
-        return VLLMServer.start(
-            str(full_weights or self.base_model),
-            self.served_name,
-            (self.log_dir or Path(".")) / log_name,
-            config,
-            max_model_len=self.max_context,
-            tokenizer=self.base_model if full_weights else None,
-            lora_rank=self.lora.rank if self.lora else None,
-            dtype=str(pick_dtype(self.engine_config, device)).removeprefix("torch."),
-            on_cpu=on_cpu,
-            load=self.engine_config.load,
-            env={**placement, **user_env},
-            cancel=cancel,
-        )
-
-
-def served_model_of(url: str, config: VLLMConfig) -> str:
-    """The model a running vLLM server serves (its first /v1/models entry that is not an adapter)."""
-    import httpx
-
-    try:
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        response = httpx.get(
-            f"{url.rstrip('/')}/v1/models", timeout=config.connect_timeout_s, headers=headers
-        )
-        response.raise_for_status()
-        models = response.json()["data"]
-    except (httpx.HTTPError, KeyError, ValueError) as exc:
-        raise RuntimeError(f"could not list the models of the vLLM server at {url}: {exc}") from exc
-    bases = [m["id"] for m in models if not m.get("parent")]
-    if not bases:
-        raise RuntimeError(f"the vLLM server at {url} serves no base model: {models}")
-    return bases[0]

@@ -92,7 +92,7 @@ def build_batch(
     allow_rendered: bool,
     template_kwargs: dict[str, Any] | None = None,
 ) -> TrainingBatch:
-    check_groups(groups)
+    """The rows of one step (groups already checked with `check_groups`)."""
     usable = [g for g in groups if len(g.trajectories) >= 2]
     rewards = [[t.reward for t in g.trajectories] for g in usable]
     computed = group_advantages(rewards, scale_rewards=scale_rewards, eps=eps)

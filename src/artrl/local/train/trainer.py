@@ -362,6 +362,11 @@ class Trainer:
         self.model.save_pretrained(directory)
         torch.save(self.optimizer.state_dict(), f"{directory}/optimizer.pt")
 
+    async def run(self, call: Callable[[Trainer], dict[str, float]], engine: Any) -> dict[str, float]:
+        """A training call on the served weights themselves: where nothing else touches them (the engine
+        decides where: the embedded engine's thread, between two of its steps)."""
+        return await engine.run_exclusive(lambda: call(self))
+
     def close(self) -> None:
         """Nothing to stop: this trainer runs in this process."""
 

@@ -84,10 +84,6 @@ class HFEngine:
     def max_context(self) -> int:
         return self._max_context
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
         if self._closed:
             raise RuntimeError("engine is closed")

@@ -10,7 +10,7 @@ key/value head per query head when there is a mask. This forward instead:
 - runs the same computation as the transformers code of Llama, Qwen2, Qwen3 and Mistral (full attention),
   op for op where it matters for the numbers (RMS norms in fp32 then the weight in the model's dtype,
   rotary embeddings from the model's own rotary module, residuals in the same order), so its logits match
-  the model's forward (`tests/test_fused_decode.py`: equal in bf16, ~1e-6 in fp32);
+  the model's forward (`tests/local/engine/hf/test_fused_decode.py`: equal in bf16, ~1e-6 in fp32);
 - multiplies by q/k/v and by gate/up concatenated (one product each), with LoRA folded in (W + s·B·A, or
   the merged weights `merged_lora` swapped in);
 - packs each large weight once per weight version for oneDNN (`torch.ops.mkldnn`), which otherwise repacks

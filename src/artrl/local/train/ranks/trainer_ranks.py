@@ -18,6 +18,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 
 from artrl.config import EngineConfig, LoraConfig, SFTConfig, TrainConfig, TrainerConfig
 from artrl.local.concurrency.piped_process import start_piped
+from artrl.local.concurrency.shielded import to_thread_to_the_end
 from artrl.local.models.loading import pick_device
 from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.ranks.trainer_rank import RankSpec, apply_trainable_state
@@ -207,6 +209,13 @@ class TrainerRanks:
         replies = self._ask("sft", (steps, config))
         self._update = replies[0]["weights"]
         return {**replies[0]["metrics"], "train_seconds": time.perf_counter() - started}
+
+    async def run(self, call: Callable[[TrainerRanks], dict[str, float]], engine: Any) -> dict[str, float]:
+        """A training call in the ranks while the engine keeps serving the previous weights; the update is
+        then loaded into the served model where nothing else touches it. Finished whole even if cancelled."""
+        metrics = await to_thread_to_the_end(call, self)
+        await engine.run_exclusive(self.load_update)
+        return metrics
 
     def load_update(self) -> None:
         """The weights the ranks trained into the served model (where nothing else touches it)."""

@@ -1,0 +1,117 @@
+"""One call to the gateway, in whichever dialect it came (dialects/): refused while the gateway is busy (429),
+its body read within its bound (413), checked, rendered and tokenised off the event loop, then answered as a
+stream or as the fold of one, and recorded in its capture. A client that gives up on a non-streaming call
+stops its generation (499) and leaves no record: it never saw the answer, and may retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from artrl.config import GatewayConfig
+from artrl.local.engine.contract import EngineError
+from artrl.local.gateway.captures import CaptureStore
+from artrl.local.gateway.dialects import Dialect
+from artrl.local.gateway.dialects.chat import complete
+from artrl.local.gateway.protocol import RequestError, parse_request
+from artrl.local.gateway.serving import ChatServing, PreparedRequest
+
+
+def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    """An error as the gateway answers every one: an OpenAI-style body with its status."""
+    return JSONResponse(RequestError(message, code=code, status=status).body(), status_code=status)
+
+
+class Calls:
+    """Answers the calls of one gateway: every POST route hands its request here with its dialect."""
+
+    def __init__(self, serving: ChatServing, store: CaptureStore, config: GatewayConfig) -> None:
+        self.serving, self.store = serving, store
+        self.max_request_bytes, self.max_inflight = config.max_request_bytes, config.max_inflight_requests
+        # rendering and tokenising a prompt (seconds for a huge one) happen here, one request at a time, never
+        # on the event loop that answers every other client
+        self.preparing = ThreadPoolExecutor(1, thread_name_prefix="artrl-prepare")
+        self.preparing_now = 0  # requests being read and prepared; the serving layer counts those generating
+
+    async def answer(self, request: Request, capture_id: str | None, dialect: Dialect) -> Response:
+        busy = self.preparing_now + self.serving.generating
+        if busy >= self.max_inflight:
+            raise RequestError(
+                f"the gateway is busy: {busy} requests in flight (GatewayConfig.max_inflight_requests); "
+                "retry shortly",
+                code="too_many_requests",
+                status=429,
+            )
+        self.preparing_now += 1
+        try:
+            raw = await _bounded_body(request, self.max_request_bytes)
+            if capture_id is not None:
+                self.store.check(capture_id)
+            loop = asyncio.get_running_loop()
+            prepared, context = await loop.run_in_executor(
+                self.preparing, lambda: self._prepare(raw, dialect)
+            )
+        finally:
+            self.preparing_now -= 1
+
+        def record(choices: list[dict[str, Any]]) -> None:
+            if capture_id is not None:
+                self.store.add(capture_id, _record(prepared, choices))
+
+        if prepared.request.stream:
+            events = dialect.stream(self.serving, prepared, record, context)
+            return StreamingResponse(events, media_type="text/event-stream")
+        work = asyncio.ensure_future(complete(self.serving, prepared))
+        try:
+            while not (await asyncio.wait({work}, timeout=0.25))[0]:
+                if await request.is_disconnected():  # the client gave up (and may retry): stop generating
+                    work.cancel()
+                    with contextlib.suppress(BaseException):
+                        await work
+                    return Response(status_code=499)
+            body = work.result()
+        except EngineError as exc:
+            return error_response(500, f"the engine failed: {exc}", "engine_error")
+        finally:
+            work.cancel()
+        if capture_id is not None and not await request.is_disconnected():
+            record(body["choices"])  # not a call whose client gave up (and may retry): it never saw it
+        return JSONResponse(dialect.reply(prepared, body, context))
+
+    def _prepare(self, raw: bytes, dialect: Dialect) -> tuple[PreparedRequest, Any]:
+        """The request checked, rendered and tokenised (translated to chat first by its dialect), and what
+        its dialect keeps for the answer."""
+        body, context = dialect.chat_request(raw)
+        return self.serving.prepare(parse_request(body)), context
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed `limit` bytes: from its declared
+    length before reading any of it, or while it streams in, never after holding all of it."""
+
+    def too_large(size: str) -> RequestError:
+        return RequestError(
+            f"request body of {size} bytes exceeds {limit}", status=413, code="request_too_large"
+        )
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _record(prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a capture keeps of a call: the checked messages (only the keys the gateway reads), tools, choices."""
+    return {"id": prepared.id, "messages": prepared.messages, "tools": prepared.tools, "choices": choices}

@@ -1,0 +1,75 @@
+"""What every dialect shares: the `Dialect` protocol the call path drives (calls.py), and the helpers the
+dialects use to read a request and write an answer (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from artrl.local.gateway.protocol import RequestError
+
+if TYPE_CHECKING:
+    from artrl.local.gateway.serving import ChatServing, ChoiceResult, PreparedRequest
+
+Record = Callable[[list[dict[str, Any]]], None]
+"""Records a finished call's chat-format choices in its capture (a no-op outside one)."""
+
+
+def json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a RequestError (400) that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"the body is not JSON (or nested too deeply): {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+def typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
+    """body[name] when absent, null or of `kinds`; otherwise a RequestError naming the field."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, kinds):
+        raise RequestError(f"{name} must be {what}, not {type(value).__name__}", param=name)
+    return value
+
+
+def text_of(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string, not {type(value).__name__}", param=where)
+    return value
+
+
+class Dialect(Protocol):
+    """A request shape the gateway answers: plain chat (chat.py), the Responses API (responses.py),
+    Anthropic Messages (anthropic.py)."""
+
+    def chat_request(self, raw: bytes) -> tuple[bytes, Any]:
+        """The chat-completions request body (JSON) this request amounts to, and what the dialect keeps of the
+        request for its answer (passed back to `reply`/`stream`); RequestError when it is invalid."""
+        ...
+
+    def reply(self, prepared: PreparedRequest, completion: dict[str, Any], context: Any) -> dict[str, Any]:
+        """The non-streaming answer, from the chat completion the gateway made."""
+        ...
+
+    def stream(
+        self, serving: ChatServing, prepared: PreparedRequest, record: Record, context: Any
+    ) -> AsyncIterator[bytes]:
+        """The streaming answer (server-sent events) from the serving layer's events; calls `record` with
+        the chat-format choices before the last event goes out."""
+        ...
+
+
+def usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, int]:
+    """A chat completion's token counts."""
+    completion = sum(len(r.tokens) for r in results)
+    prompt = len(prepared.prompt.ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def stream_error(exc: Exception, code: str) -> bytes:
+    """A failure after the headers went out, as the stream's own server-sent event."""
+    body = RequestError(f"generation failed: {type(exc).__name__}: {exc}", code=code, status=500).body()
+    return f"data: {json.dumps(body)}\n\n".encode()
