@@ -129,3 +129,41 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
     params = [SamplingParams(max_tokens=1, temperature=t) for t in (0.0, 1.0, 1.0)]
     first, bad, third = sample_rows(logits, params, [None, None, random.Random(0)])
     assert first.token_id == 2 and isinstance(bad, SamplingError) and third.token_id in (0, 1, 2)
+
+
+SHARED_POISON = 2222  # in the shared start of two prompts: their common-prefix forward fails (and their own)
+
+
+def shared_start_faults(input_ids, position_ids) -> None:
+    if input_ids.shape[1] > 1 and bool((input_ids == SHARED_POISON).any()):
+        raise RuntimeError("simulated out of memory in the shared start's prefill")
+
+
+async def test_a_failing_shared_start_fails_only_the_requests_that_share_it(hf_model):
+    """The forward of two new prompts' common start runs before each prompt's own, isolated prefill: when it
+    fails, the sequence already decoding goes on as if alone, and the two new requests fail within seconds
+    (before the fix: the running one failed too, and the two waited for the stream's 30-minute timeout)."""
+    from fakes import instrumented_model
+
+    running = list(range(400, 420))
+    start = [SHARED_POISON, *range(500, 539)]  # 40 tokens shared, above the prefix cache's minimum
+    new = [[*start, 600, 601], [*start, 700]]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    healthy = HFEngine(hf_model, max_context=2048, config=EngineConfig())
+    faulty = HFEngine(
+        instrumented_model(hf_model, shared_start_faults), max_context=2048, config=EngineConfig()
+    )
+    try:
+        alone = await tokens(healthy.generate(running, params, 1)[0])
+        chunks = aiter(faulty.generate(running, params, 1)[0])
+        first = await asyncio.wait_for(anext(chunks), 30)  # it is in the running batch now
+        later = [faulty.generate(p, params, 1)[0] for p in new]
+        results = await asyncio.wait_for(
+            asyncio.gather(tokens(chunks), *map(tokens, later), return_exceptions=True), 30
+        )
+        assert [first.token_id, *results[0]] == alone
+        assert all(isinstance(r, EngineError) and "shared start" in str(r) for r in results[1:]), results[1:]
+        assert await tokens(faulty.generate(running, params, 1)[0]) == alone  # and the engine goes on
+    finally:
+        await healthy.close()
+        await faulty.close()

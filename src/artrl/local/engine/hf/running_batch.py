@@ -145,9 +145,21 @@ class RunningBatch:
             room -= len(request.sequences)
             admitted.append(request)
             longest = max(longest, len(request.prompt_ids))
-        if admitted:
+        if not admitted:
+            return
+        try:  # (popped from `pending`: from here on a failure must reach their streams, never lose them)
             admitted = _one_row_per_prompt(admitted)
-            self._prefill_isolated(admitted, self._prefix_matches(admitted))
+            try:
+                matches = self._prefix_matches(admitted)
+            except Exception as exc:  # the shared start's forward (out of memory, say): prefill without it
+                log.warning(
+                    "a shared prompt start failed (%s: %s); prefilling without it", type(exc).__name__, exc
+                )
+                matches = [None] * len(admitted)
+            self._prefill_isolated(admitted, matches)
+        except Exception as exc:
+            log.exception("admitting requests failed")
+            fail_sequences([s for r in admitted for s in r.sequences], f"{type(exc).__name__}: {exc}")
 
     def _prefix_matches(self, requests: list[Request]) -> list[PrefixMatch | None]:
         """Each request's longest cached start; requests without one that start alike (one scenario's
@@ -379,7 +391,10 @@ class RunningBatch:
         if len(keep) == len(batch.sequences):
             return
         if self.prefix_cache.enabled and batch.cache is not None:
-            self._remember(batch, [i for i, s in enumerate(batch.sequences) if s.done and s.reusable])
+            try:  # (an optimisation: when the copy fails, out of memory say, the rows are just not cached)
+                self._remember(batch, [i for i, s in enumerate(batch.sequences) if s.done and s.reusable])
+            except Exception as exc:
+                log.warning("finished rows not cached (%s: %s)", type(exc).__name__, exc)
         if not keep:
             self.batch = _Batch()
             return
