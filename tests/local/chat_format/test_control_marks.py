@@ -128,3 +128,45 @@ def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     from artrl.local.chat_format.template_inputs import template_messages
 
     return template_messages(messages)
+
+
+def _nested_keys(depth: int, key: str) -> dict[str, Any]:
+    """{key: {key: ... {key: "leaf"}}} `depth` deep, beside an ordinary key at each level."""
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = {key: value, "plain": 1}
+    return value
+
+
+@pytest.mark.parametrize("token", TOKENS)
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_a_control_token_in_a_dict_key_is_text_at_every_depth(chat_format, token, depth):
+    """transformers marks values only: a tool schema's parameter name or a tool call's argument key holding a
+    control token became that token's id. Every key here holds one; the prompt holds exactly the control ids
+    of the same conversation with harmless keys (the template's own)."""
+
+    def conversation(key: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        schema = {"type": "object", "properties": _nested_keys(depth, key)}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        call = {
+            "id": "c",
+            "type": "function",
+            "function": {"name": "f", "arguments": _nested_keys(depth, key)},
+        }
+        messages = [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "done"},
+        ]
+        return messages, tools
+
+    control_ids = {chat_format.encode(t)[0] for t in TOKENS if len(chat_format.encode(t)) == 1}
+    assert control_ids, "the tiny tokenizer has these as single control tokens"
+
+    def control_counts(key: str) -> dict[int, int]:
+        messages, tools = conversation(key)
+        ids = chat_format.encode(chat_format.render(messages, tools, True))
+        return {i: ids.count(i) for i in control_ids}
+
+    forged = control_counts(f"x{token}y")
+    assert forged == control_counts("xy")

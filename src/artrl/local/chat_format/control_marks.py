@@ -5,7 +5,9 @@ template variables gets private-use markers around it) and encodes the rendered 
 the markers (`sanitize_control_tokens=True`). Both cost a walk over everything, on every render and encode,
 while almost no conversation holds a control token. `ControlMarks` gives the same results: it hands back the
 value itself where the walk would only copy it (a check that only searches the strings), and encodes text
-without markers in one piece.
+without markers in one piece. It also marks dict keys, which transformers leaves as they are: a parameter
+name in a tool schema (often a third-party MCP server's) or a key of echoed tool-call arguments is rendered
+into the prompt like any value, and a control token in it must not become the real token.
 """
 
 from __future__ import annotations
@@ -39,18 +41,28 @@ class ControlMarks:
 
     def mark(self, value: Any) -> Any:
         """`mark_control_tokens(value)`: the value itself where that would only copy it."""
-        if MARKERS is not None and self._unmarked(value):
-            return value
-        return chat_template_utils.mark_control_tokens(value, self.pattern)
+        if MARKERS is None:
+            return chat_template_utils.mark_control_tokens(value, self.pattern)
+        return value if self._unmarked(value) else self._marked(value)
+
+    def _marked(self, value: Any) -> Any:
+        """transformers' walk, keys included."""
+        if isinstance(value, str):
+            return chat_template_utils.mark_control_tokens(value, self.pattern)
+        if isinstance(value, dict):
+            return {self._marked(k) if isinstance(k, str) else k: self._marked(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._marked(v) for v in value]
+        return value
 
     def _unmarked(self, value: Any) -> bool:
-        """Whether mark_control_tokens would return a plain copy of `value`: no string in it holds a control
-        token or a marker, and it holds no tuple or subclass that the walk would turn into a list, dict or str."""
+        """Whether marking would return a plain copy of `value`: no string in it (keys included) holds a
+        control token or a marker, and it holds no tuple or subclass that the walk would turn into a list, dict or str."""
         kind = type(value)
         if kind is str:
             return self._anything.search(value) is None
         if kind is dict:
-            return all(self._unmarked(v) for v in value.values())
+            return all(self._unmarked(k) and self._unmarked(v) for k, v in value.items())
         if kind is list:
             return all(self._unmarked(v) for v in value)
         return not isinstance(value, (str, dict, list, tuple))  # (other values are left as they are)
