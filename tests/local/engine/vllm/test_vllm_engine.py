@@ -257,6 +257,27 @@ async def test_training_hot_loads_each_adapter_and_resume_serves_the_latest(tiny
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("served", ["vllm"], indirect=True)
+async def test_every_route_of_the_vllm_server_artrl_started_needs_its_key(served):
+    """vLLM's own key covers /v1 only; it also mounts /invocations, /adapters, /sleep, /collective_rpc...: any
+    local process could generate or swap the served adapter. Every route it lists but the probes is 401."""
+    server = served._backend.service(served).engine.server
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+        listed = (
+            await http.get("/openapi.json", headers={"Authorization": f"Bearer {server.api_key}"})
+        ).json()
+        assert "/invocations" in listed["paths"] and "/v1/load_lora_adapter" in listed["paths"]
+        refused, open_ = {}, {}
+        for path, methods in listed["paths"].items():
+            concrete = path.replace("{", "").replace("}", "")  # (a path parameter's name as its value)
+            for method in methods:
+                status = (await http.request(method.upper(), concrete, json={})).status_code
+                (open_ if status != 401 else refused)[f"{method.upper()} {path}"] = status
+        assert sorted({k.split()[1] for k in open_}) == ["/health", "/metrics", "/ping", "/version"], open_
+        assert (await http.get("/openapi.json")).status_code == 401 and len(refused) > 20
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("served", ["vllm"], indirect=True)
 async def test_vllm_url_uses_a_server_that_is_already_running(served, tiny_model_dir, tmp_path):
     server = served._backend.service(served).engine.server
     url = server.base_url

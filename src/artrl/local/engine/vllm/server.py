@@ -7,13 +7,17 @@ calling `stop()` (even by SIGKILL). Its output goes to a log file, whose tail is
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -44,6 +48,44 @@ while child.poll() is None:
     time.sleep(0.5)
 sys.exit(child.returncode)
 """
+
+
+# Loaded by vLLM (`--middleware artrl_vllm_key_guard.KeyGuard`, from a private folder on its PYTHONPATH): vLLM's
+# own key covers its /v1 routes only, while it also mounts /invocations (generation), /adapters (runtime LoRA
+# loads), /sleep, /wake_up, /collective_rpc... Every route but the four probes needs the key here.
+_KEY_GUARD = '''"""artrl's key check in front of every route of a vLLM server artrl started."""
+import hmac, json, os
+
+OPEN = ("/health", "/ping", "/metrics", "/version")
+
+
+class KeyGuard:
+    def __init__(self, app):
+        self.app, self.key = app, os.environ["VLLM_API_KEY"].encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and scope["path"] not in OPEN:
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given, self.key):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = json.dumps({"error": {"message": "missing or wrong API key", "code": 401}}).encode()
+                headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+'''
+
+
+@functools.cache
+def key_guard_folder() -> str:
+    """A private folder (0700) holding the guard's module for vLLM to import; removed at exit."""
+    folder = tempfile.mkdtemp(prefix="artrl-vllm-guard-")
+    Path(folder, "artrl_vllm_key_guard.py").write_text(_KEY_GUARD)
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 class VLLMStartError(RuntimeError):
@@ -168,6 +210,7 @@ class VLLMServer:
             "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--disable-uvicorn-access-log",
+            "--middleware", "artrl_vllm_key_guard.KeyGuard",  # the key on every route (see _KEY_GUARD)
         ]  # fmt: skip
         if tokenizer:
             args += ["--tokenizer", tokenizer]
@@ -196,6 +239,7 @@ class VLLMServer:
             "PYTHONUNBUFFERED": "1",
             **(config.env if env is None else env),  # env: this server's (VLLMConfig.env and placement)
         }
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (key_guard_folder(), env.get("PYTHONPATH")) if p)
         if config.sleep_while_training:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if Path(model).is_dir():  # a local folder needs no hub (and this machine may have none)
