@@ -168,4 +168,5 @@ def test_every_folder_is_small_and_says_what_it_holds():
 def test_the_checks_catch_a_loop_and_a_back_import():
     assert cycles_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles_in({"a": {"b"}, "b": set()}) == []
-    assert "artrl.local.backend" in layers("artrl.local")[-1]  # the user's entry sits on top of the parts
+    floors = {part: i for i, layer in enumerate(layers("artrl.local")) for part in layer}
+    assert floors["artrl.local.backend"] > floors["artrl.local.service"] > floors["artrl.local.engine"]

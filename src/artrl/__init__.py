@@ -27,6 +27,7 @@ from artrl.integrations.langchain_model import langchain_chat_model
 from artrl.integrations.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
 from artrl.prompted_model import Model
+from artrl.remote.backend import RemoteBackend, RemoteError
 from artrl.rollouts.dataset import DatasetBatch, iterate_dataset
 from artrl.rollouts.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from artrl.rollouts.pipeline import rollouts_ahead
@@ -62,6 +63,8 @@ __all__ = [
     "MessagesAndChoices",
     "Model",
     "PendingGroup",
+    "RemoteBackend",
+    "RemoteError",
     "SFTConfig",
     "TinyModelConfig",
     "Tools",

@@ -83,6 +83,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server(args: argparse.Namespace) -> int:
+    from artrl.config import EngineConfig, ServerConfig
+    from artrl.local.server.run import run_server
+
+    config = ServerConfig(
+        base_model=args.base_model, host=args.host, port=args.port, path=args.path, keys=args.keys
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        run_server(config, EngineConfig(kind=args.engine), say=lambda line: print(line, flush=True))
+    return 0
+
+
 def _dashboard(args: argparse.Namespace) -> int:
     from artrl.config import DashboardConfig
     from artrl.local.dashboard import serve_dashboard
@@ -118,7 +130,24 @@ def _add_run_commands(commands) -> None:
         command.add_argument("run_dir", help="a run folder ({root}/{project}/{model})")
         command.add_argument("out", help="the output folder (new, or empty)")
         command.add_argument("--step", type=int, default=None, help="the checkpoint (default: the latest)")
-    serve = commands.add_parser("serve", help="the OpenAI-compatible gateway on a saved step, until Ctrl-C")
+    server = commands.add_parser(
+        "server",
+        help="a training server: many tenants' models trained and served on BASE_MODEL, for artrl.RemoteBackend "
+        "(`serve` instead serves one saved step for inference)",
+    )
+    server.add_argument(
+        "base_model", help="a hub id or a model folder: the base every hosted model trains on"
+    )
+    server.add_argument("--host", default="127.0.0.1", help="another host than loopback needs --keys")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--keys", default=None, help="a file of `TENANT KEY` lines (tenant `admin` sees all)")
+    server.add_argument("--path", default=".artrl-server", help="run folders: PATH/TENANT/PROJECT/MODEL")
+    server.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    serve = commands.add_parser(
+        "serve",
+        help="the OpenAI-compatible gateway on one saved step, for inference, until Ctrl-C (`server` instead "
+        "trains models for remote clients)",
+    )
     serve.add_argument("run_dir", help="a run folder ({root}/{project}/{model})")
     serve.add_argument("--step", type=int, default=None, help="the checkpoint (default: the latest)")
     serve.add_argument("--host", default="127.0.0.1", help="another host than loopback needs --api-key")
@@ -135,6 +164,7 @@ _RUN_COMMANDS = {
     "export": _export,
     "merge": _export,
     "serve": _serve,
+    "server": _server,
     "dashboard": _dashboard,
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from artrl.config.engines import EngineConfig, LoadConfig, VLLMConfig
 from artrl.config.gateway import ClientConfig, DashboardConfig, GatewayConfig, is_loopback
+from artrl.config.server import RemoteConfig, ServerConfig
 from artrl.config.tiny_models import TINY_MODEL_PRESETS, TinyModelConfig
 from artrl.config.training import (
     CheckpointRetention,
@@ -28,7 +29,9 @@ __all__ = [
     "GatewayConfig",
     "LoadConfig",
     "LoraConfig",
+    "RemoteConfig",
     "SFTConfig",
+    "ServerConfig",
     "TinyModelConfig",
     "TrackerName",
     "TrainConfig",

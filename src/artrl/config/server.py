@@ -1,0 +1,50 @@
+"""The training server (`artrl server`) and its client (`artrl.RemoteBackend`)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from artrl.config.frozen import _Frozen
+from artrl.config.gateway import is_loopback
+
+
+class ServerConfig(_Frozen):
+    """`artrl server BASE_MODEL`: one base model, many tenants' trainable models on it, over HTTP.
+
+    Without `keys` (a file of `TENANT KEY` lines) every caller is the tenant `default` and the server listens
+    on loopback only; bound anywhere else it needs keys.
+    """
+
+    base_model: str
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    path: str = Field(default=".artrl-server", description="run folders: {path}/{tenant}/{project}/{model}")
+    keys: str | None = Field(default=None, description="file of `TENANT KEY` lines; tenant `admin` sees all")
+    max_models_per_tenant: int = Field(default=8, ge=1)
+    max_request_bytes: int = Field(
+        default=256 * 2**20, ge=1024, description="a training call's JSON body (trajectories) at most"
+    )
+    remembered_results: int = Field(
+        default=1024, ge=1, description="finished training calls kept per tenant by request id (retries)"
+    )
+
+    @model_validator(mode="after")
+    def _keys_beyond_loopback(self) -> ServerConfig:
+        if not is_loopback(self.host) and self.keys is None:
+            raise ValueError(
+                f"`artrl server --host {self.host}` would let anyone who reaches the port train and generate: "
+                "give --keys FILE (one `TENANT KEY` line per tenant)"
+            )
+        return self
+
+
+class RemoteConfig(_Frozen):
+    """How `artrl.RemoteBackend` talks to a training server."""
+
+    timeout_s: float = Field(default=30.0, gt=0, description="connect and ordinary calls")
+    train_timeout_s: float = Field(
+        default=3600.0, gt=0, description="one train / train_sft call, queue included"
+    )
+    retries: int = Field(
+        default=3, ge=0, description="resends of a call whose connection broke (same request id: done once)"
+    )

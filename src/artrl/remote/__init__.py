@@ -1,0 +1,1 @@
+"""The client side of a training server on another machine: `artrl.RemoteBackend` (light: no torch)."""

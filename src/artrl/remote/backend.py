@@ -1,0 +1,156 @@
+"""`artrl.RemoteBackend`: the client API of `LocalBackend` against a training server (`artrl server`) on
+another machine — `model.register(RemoteBackend(url, api_key=...))` and the rest of the script is unchanged.
+
+The model is served by the server's one OpenAI-compatible gateway (`{url}/v1`, the tenant's key as the API
+key); `train` sends the trajectories with the token ids the gateway recorded in their choices. Every call has
+a timeout; a call whose connection broke is sent again with the same request id, which the server answers
+from its first run: a retried `train` never trains twice."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tarfile
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from artrl.art_names import train_config
+from artrl.config import CheckpointRetention, RemoteConfig, SFTConfig, TrainConfig
+from artrl.model import TrainableModel, TrainResult
+from artrl.trajectory import Trajectory, TrajectoryGroup
+
+SPEC_FIELDS = {"name", "project", "base_model", "lora", "chat_format"}
+
+
+class RemoteError(RuntimeError):
+    """The training server refused a call (its message says why) or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RemoteBackend:
+    def __init__(self, url: str, *, api_key: str | None = None, config: RemoteConfig | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key or os.environ.get("ARTRL_API_KEY")
+        self.config = config or RemoteConfig()
+
+    async def __aenter__(self) -> RemoteBackend:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Nothing to stop here: the models stay served (and trained) by the server."""
+
+    async def register(self, model: TrainableModel) -> tuple[str, str]:
+        if model.report_to:
+            raise ValueError(
+                "report_to= sends history rows from where the model trains; with a RemoteBackend that is the "
+                "server: read its run folders there (`artrl history`, `artrl dashboard`), or log rows here"
+            )
+        await self._call("POST", "/artrl/v1/models", model.model_dump(mode="json", include=SPEC_FIELDS))
+        return f"{self.url}/v1", self.api_key or "artrl"
+
+    def client_transport(self, model: TrainableModel, sync: bool = False) -> None:
+        return None  # (over the network: no in-process transport)
+
+    async def get_step(self, model: TrainableModel) -> int:
+        return int((await self._call("GET", f"/artrl/v1/models/{model.name}/step"))["step"])
+
+    async def train(
+        self,
+        model: TrainableModel,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        **art_settings: Any,
+    ) -> TrainResult:
+        if art_settings or config is None:
+            config = train_config(config, art_settings)
+        body = {
+            "groups": [g.model_dump(mode="json") for g in groups],
+            "config": config.model_dump(mode="json"),
+        }
+        return TrainResult.model_validate(await self._model_call(model, "train", body, long=True))
+
+    async def train_sft(
+        self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
+    ) -> TrainResult:
+        if not trajectories:
+            raise ValueError("train_sft() got no trajectories")
+        body = {
+            "trajectories": [t.model_dump(mode="json") for t in trajectories],
+            "config": config.model_dump(),
+        }
+        return TrainResult.model_validate(await self._model_call(model, "train_sft", body, long=True))
+
+    async def log(
+        self,
+        model: TrainableModel,
+        groups: list[TrajectoryGroup],
+        split: str,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        body = {"groups": [g.model_dump(mode="json") for g in groups], "split": split, "metrics": metrics}
+        return await self._model_call(model, "log", {**body, "step": step})
+
+    async def delete_checkpoints(self, model: TrainableModel, retention: CheckpointRetention) -> list[int]:
+        return await self._model_call(model, "delete_checkpoints", {"retention": retention.model_dump()})
+
+    async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:
+        """The current weights and tokenizer as a Hugging Face folder in `directory` (here, not on the server)."""
+        data = await self._call("POST", f"/artrl/v1/models/{model.name}/export", {}, raw=True, long=True)
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(target, filter="data")  # (no absolute paths, links out, or devices)
+
+    async def _model_call(
+        self, model: TrainableModel, call: str, body: dict[str, Any], long: bool = False
+    ) -> Any:
+        body = {**body, "request_id": uuid.uuid4().hex}  # (one id for every resend of this call)
+        return (await self._call("POST", f"/artrl/v1/models/{model.name}/{call}", body, long=long))["result"]
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        raw: bool = False,
+        long: bool = False,
+    ) -> Any:
+        read = self.config.train_timeout_s if long else self.config.timeout_s
+        timeout = httpx.Timeout(read, connect=self.config.timeout_s)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        for attempt in range(self.config.retries + 1):
+            try:
+                async with httpx.AsyncClient(timeout=timeout, headers=headers) as http:
+                    response = await http.request(method, f"{self.url}{path}", json=body)
+                break
+            except httpx.TransportError as exc:  # (a timeout included: the server may still be working)
+                if attempt == self.config.retries:
+                    raise RemoteError(
+                        f"the training server at {self.url} did not answer {method} {path} "
+                        f"({type(exc).__name__}: {exc}; tried {attempt + 1} times)"
+                    ) from exc
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:500]
+            if response.status_code in (400, 422):
+                raise ValueError(f"the training server refused {path}: {message}")
+            raise RemoteError(
+                f"the training server answered {response.status_code}: {message}", response.status_code
+            )
+        return response.content if raw else response.json()

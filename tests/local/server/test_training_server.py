@@ -1,0 +1,159 @@
+"""The training server and `artrl.RemoteBackend`, as two processes: `artrl server` started as a command, a
+client here that registers, generates through the server's gateway, trains, logs and exports — and the
+refusals: a wrong key, another tenant's model, another base, a resent training call."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+import artrl
+from artrl.config import RemoteConfig
+
+pytestmark = pytest.mark.slow  # (a server process that loads the tiny model per registered model: ~20 s)
+
+KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
+PROMPT = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    from artrl.local.engine.vllm.server import free_port
+
+    folder = tmp_path_factory.mktemp("server")
+    keys = folder / "keys"
+    keys.write_text(f"# tenants\nalice {KEY_A}\nbob {KEY_B}\n")
+    port = free_port()
+    command = [sys.executable, "-m", "artrl.cli", "server", str(tiny_model_dir), "--port", str(port)]
+    log = (folder / "server.log").open("wb")  # (a file, not a pipe: nobody reads a pipe while tests run)
+    process = subprocess.Popen(
+        [*command, "--keys", str(keys), "--path", str(folder / "runs")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, (folder / "server.log").read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+    yield url, folder / "runs"
+    process.terminate()
+    process.wait(60)
+    log.close()
+
+
+async def scored_groups(model: artrl.TrainableModel, n: int = 2) -> list[artrl.TrajectoryGroup]:
+    client = model.openai_client()
+    groups = []
+    for g in range(n):
+        trajectories = []
+        for k in range(2):
+            completion = await client.chat.completions.create(
+                model=model.name, messages=PROMPT, max_tokens=8, temperature=1.0, seed=10 * g + k
+            )
+            choice = completion.choices[0]
+            assert choice.model_extra["token_ids"]  # the recorded ids travel with the choice
+            trajectories.append(artrl.Trajectory(messages_and_choices=[*PROMPT, choice], reward=float(k)))
+        groups.append(artrl.TrajectoryGroup(trajectories))
+    return groups
+
+
+async def test_a_remote_client_trains_a_model_on_the_server(server, tiny_model_dir, tmp_path):
+    url, runs = server
+    backend = artrl.RemoteBackend(url, api_key=KEY_A)
+    model = artrl.TrainableModel(name="agent", project="remote", base_model=str(tiny_model_dir))
+    await model.register(backend)
+    assert await model.get_step() == 0
+    result = await model.train(await scored_groups(model), artrl.TrainConfig(learning_rate=1e-3))
+    assert result.step == 1 and await model.get_step() == 1
+    assert (runs / "alice" / "remote" / "agent" / "checkpoints" / "0001").is_dir()  # the server's run folder
+    row = await model.log(await scored_groups(model, 1), split="val")
+    assert row["trajectories"] == 2
+    await model.export(str(tmp_path / "exported"))
+    assert (tmp_path / "exported" / "adapter_config.json").is_file()
+    again = artrl.TrainableModel(name="agent", project="remote", base_model=str(tiny_model_dir))
+    await again.register(artrl.RemoteBackend(url, api_key=KEY_A))  # a client that restarted: the same model
+    assert await again.get_step() == 1
+
+
+async def test_a_resent_training_call_trains_once(server, tiny_model_dir):
+    """A client whose connection dropped mid-train sends the call again with its request id: one step."""
+    url, _ = server
+    model = artrl.TrainableModel(name="resend", project="remote", base_model=str(tiny_model_dir))
+    await model.register(artrl.RemoteBackend(url, api_key=KEY_A))
+    body = {
+        "groups": [g.model_dump(mode="json") for g in await scored_groups(model)],
+        "config": artrl.TrainConfig().model_dump(mode="json"),
+        "request_id": uuid.uuid4().hex,
+    }
+    path, headers = f"{url}/artrl/v1/models/resend/train", {"Authorization": f"Bearer {KEY_A}"}
+    async with httpx.AsyncClient(headers=headers) as http:
+        # the first try goes away before its answer (whenever that is: before, during or after the step)
+        gone = asyncio.ensure_future(http.post(path, json=body, timeout=120))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        first = (await http.post(path, json=body, timeout=120)).json()["result"]
+        second = (await http.post(path, json=body, timeout=120)).json()["result"]
+    assert first == second and first["step"] == 1
+    assert await model.get_step() == 1
+
+
+async def test_refusals_say_what_is_wrong(server, tiny_model_dir):
+    url, _ = server
+    model = artrl.TrainableModel(name="agent", project="remote", base_model=str(tiny_model_dir))
+    fast = RemoteConfig(retries=0)
+    with pytest.raises(artrl.RemoteError, match="wrong key") as wrong:
+        await model.register(artrl.RemoteBackend(url, api_key="not-a-key", config=fast))
+    assert wrong.value.status == 401
+    other = artrl.TrainableModel(name="agent", project="remote", base_model="Qwen/Qwen2.5-0.5B-Instruct")
+    with pytest.raises(ValueError, match="trains models on"):
+        await other.register(artrl.RemoteBackend(url, api_key=KEY_A))
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY_B}"}, timeout=30) as http:
+        chat = await http.post(f"{url}/v1/chat/completions", json={"model": "agent", "messages": PROMPT})
+        step = await http.get(f"{url}/artrl/v1/models/agent/step")
+        listed = (await http.get(f"{url}/artrl/v1/models")).json()["data"]
+    assert chat.status_code == 404 and step.status_code == 404  # alice's model does not exist for bob
+    assert [m for m in listed if m["name"] == "agent"] == []
+    assert httpx.get(f"{url}/health").status_code == 200  # (the one route without a key)
+
+
+async def test_two_tenants_train_concurrently(server, tiny_model_dir):
+    """Each tenant's model changes only with its own steps (here: both train at once, each gets step 1)."""
+    url, _ = server
+    models = [
+        artrl.TrainableModel(name="twin", project=p, base_model=str(tiny_model_dir)) for p in ("a", "b")
+    ]
+    for model, key in zip(models, (KEY_A, KEY_B), strict=True):
+        await model.register(artrl.RemoteBackend(url, api_key=key))
+    groups = [await scored_groups(m) for m in models]
+    results = await asyncio.gather(*(m.train(g) for m, g in zip(models, groups, strict=True)))
+    assert [r.step for r in results] == [1, 1]
+
+
+def test_the_server_refuses_the_network_without_keys(tiny_model_dir):
+    from artrl.cli import main
+
+    assert main(["server", str(tiny_model_dir), "--host", "0.0.0.0"]) == 2
+
+
+def test_a_bad_keys_file_is_a_clear_error(tmp_path: Path):
+    from artrl.local.server.tenants import Tenants
+
+    (tmp_path / "keys").write_text("alice short\n")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        Tenants.from_file(str(tmp_path / "keys"))
