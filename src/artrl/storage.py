@@ -1,6 +1,7 @@
 """Where a model's files live on disk, and atomic writes (temp file + rename) for all of them.
 
-{root}/{project}/{model}/model.json            config at register
+{root}/{project}/{model}/model.json            config at register (secrets redacted)
+{root}/{project}/{model}/.lock                 locked (flock) while a process has the model registered
 {root}/{project}/{model}/checkpoints/{step:04d}/
 {root}/{project}/{model}/history.jsonl
 {root}/{project}/{model}/trajectories/{split}/{step:04d}.jsonl
@@ -14,6 +15,79 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+LOCK_FILE = ".lock"
+
+
+class FolderInUseError(RuntimeError):
+    """Another process, or another backend of this one, has this model folder registered."""
+
+
+class FolderLock:
+    """An exclusive OS lock (`flock`) on a model folder's `.lock`, held from register until `release`. The OS
+    drops it when the holder ends however it ends (SIGKILL too): no stale lock is ever left to remove. The
+    file is never deleted (a lock file unlinked while another process opens it locks nothing)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # (closing the only descriptor of the open file unlocks it)
+
+
+def lock_model_dir(directory: Path) -> FolderLock:
+    """The folder's lock, for as long as this process registers the model in it; `FolderInUseError`, saying
+    who holds it, when another process (or another backend here) does. Two processes training one folder
+    would share its temporary checkpoint folders, delete each other's checkpoints and record rows twice."""
+    try:
+        import fcntl
+    except ImportError:  # (no flock on this OS: nothing to hold)
+        return FolderLock(None)
+    import datetime
+    import errno
+    import socket
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by child processes)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        raise FolderInUseError(
+            f"{directory} is in use by {holder}; close that process or use another path/name"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a filesystem without locks
+            return FolderLock(None)
+        raise
+    except BaseException:
+        os.close(fd)
+        raise
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    return FolderLock(fd)
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote it: 'pid N (started ...)'."""
+    import socket
+
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0))
+        pid, host, started = int(holder["pid"]), str(holder["host"]), str(holder["started"])
+    except (OSError, ValueError, KeyError, TypeError):  # (being written this instant)
+        return "another process"
+    where = "" if host == socket.gethostname() else f" on host {host}"
+    here = (
+        ", this process: another LocalBackend has it registered" if pid == os.getpid() and not where else ""
+    )
+    return f"pid {pid}{where} (started {started}{here})"
 
 
 def model_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:

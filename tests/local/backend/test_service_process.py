@@ -188,3 +188,78 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+STAND_IN_CHILD = """
+import sys
+from multiprocessing.connection import Connection
+
+inbox, outbox = Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+inbox.recv_bytes()  # the settings
+inbox.recv_bytes()  # a call
+outbox.send_bytes(b"\\x80\\x05not a pickle")  # its answer, which the user's process cannot read
+try:
+    while True:  # alive (and reading) until that process closes its end
+        inbox.recv_bytes()
+except EOFError:
+    pass
+"""
+
+
+class Waiting:
+    """A request in flight (the in-process transport's side of it)."""
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+
+    def abandon(self, message: str) -> None:
+        self.failure = message
+
+
+async def test_a_frame_this_process_cannot_read_fails_what_is_in_flight_at_once(tmp_path, monkeypatch):
+    """The reader died on an unreadable frame and every call and request waited for ever."""
+    from artrl.config import EngineConfig, GatewayConfig, TrainerConfig
+    from artrl.local.backend import service_process
+    from artrl.local.concurrency.piped_process import start_piped
+
+    (tmp_path / "stand_in_child.py").write_text(STAND_IN_CHILD)
+
+    def stand_in(module: str, **popen):
+        env = {**popen.pop("env"), "PYTHONPATH": str(tmp_path)}
+        return start_piped("stand_in_child", env=env, **popen)
+
+    monkeypatch.setattr(service_process, "start_piped", stand_in)
+    process = service_process.ServiceProcess(str(tmp_path), EngineConfig(), GatewayConfig(), TrainerConfig())
+    try:
+        request = Waiting()
+        assert process.add_exchange(request) is not None
+        started = time.monotonic()
+        with pytest.raises(ServiceProcessError, match="could not read what the artrl service process sent"):
+            await asyncio.wait_for(process.call("log"), 20)
+        assert time.monotonic() - started < 10
+        assert request.failure is not None and "UnpicklingError" in request.failure
+        assert process._proc.wait(20) == 0, "the child was stopped (its pipe closed)"
+        with pytest.raises(ServiceProcessError, match="could not read"):  # and everything asked later
+            await process.call("log")
+        await asyncio.wait_for(process.close(), 30)
+    finally:
+        if process._proc.poll() is None:
+            process._proc.kill()
+
+
+async def test_a_frame_the_child_cannot_read_ends_it_and_fails_what_is_in_flight(tmp_path, capfd):
+    """The child's reader died on an unreadable frame: the child never ended, its calls never answered."""
+    from artrl.config import EngineConfig, GatewayConfig, TrainerConfig
+    from artrl.local.backend.service_process import ServiceProcess
+
+    process = ServiceProcess(str(tmp_path), EngineConfig(), GatewayConfig(), TrainerConfig())
+    try:
+        with process._send_lock:
+            process._out.send_bytes(b"\x80\x05not a pickle")
+        with pytest.raises(ServiceProcessError, match=r"exited \(exit code 0"):
+            await asyncio.wait_for(process.call("log"), 60)
+        assert "could not be read: the artrl service process ends" in capfd.readouterr().err
+        await asyncio.wait_for(process.close(), 30)
+    finally:
+        if process._proc.poll() is None:
+            process._proc.kill()

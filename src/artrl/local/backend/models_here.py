@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from artrl.config import (
@@ -26,10 +27,12 @@ from artrl.local.service.checkpoints import delete_unkept, save_tokenizer
 from artrl.local.service.step_commits import StepCommits
 from artrl.model import TrainableModel, TrainResult
 from artrl.storage import (
+    FolderLock,
     append_history,
     atomic_write_json,
     checkpoint_dir,
     latest_step,
+    lock_model_dir,
     model_dir,
     repair_history,
     write_step_rows,
@@ -43,6 +46,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RESERVED_SPLITS = ("train", "sft")  # written by model.train / model.train_sft, never by model.log
+REDACTED = "<redacted>"
+_SECRET_ARGS = ("key", "token", "secret", "password")  # (in an extra vLLM argument's name: its value is one)
+
+
+def recorded_engine(engine: EngineConfig) -> dict[str, Any]:
+    """The engine's settings as model.json records them, without secrets: the vLLM server's key and the
+    values of its environment (an HF token, say; the names stay), nor those of secret-looking extra args."""
+    settings = engine.model_dump()
+    vllm = settings["vllm"]
+    if vllm["api_key"] is not None:
+        vllm["api_key"] = REDACTED
+    vllm["env"] = {name: REDACTED for name in vllm["env"]}
+    vllm["replica_env"] = [{name: REDACTED for name in env} for env in vllm["replica_env"]]
+    args, secret_next = [], False
+    for arg in vllm["extra_args"]:
+        flag, eq, _ = arg.partition("=")
+        is_flag = arg.startswith("-")
+        secret = is_flag and any(word in flag.lower() for word in _SECRET_ARGS)
+        args.append(
+            REDACTED if secret_next and not is_flag else f"{flag}={REDACTED}" if secret and eq else arg
+        )
+        secret_next = secret and not eq
+    vllm["extra_args"] = args
+    return settings
 
 
 class ModelsHere:
@@ -56,6 +83,7 @@ class ModelsHere:
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._trackers: dict[tuple[str, str], Trackers] = {}
+        self._locks: dict[tuple[str, str], FolderLock] = {}  # each registered model's folder (storage.py)
         # checkpoints written, engines updated, rows recorded (a step whose checkpoint failed: before the next)
         self._commits = StepCommits(self._record)
         self._renderer: RowRenderer | None = None  # (train_sft's render workers, started on first use)
@@ -73,12 +101,32 @@ class ModelsHere:
         return (model.project, model.name) in self._services
 
     async def register(self, model: TrainableModel) -> tuple[str, str]:
-        from artrl.local.service.service import LocalService
-
         key = (model.project, model.name)
         if key in self._services:
             raise ValueError(f"model {model.name!r} of project {model.project!r} is already registered")
         directory = self.directory(model)
+        # this process's while the model is registered here: a second process (a script launched twice) or
+        # a second backend on the same folder is refused, saying who holds it
+        lock = lock_model_dir(directory)
+        try:
+            service, spec = await self._start(model, directory)
+        except BaseException:
+            lock.release()
+            raise
+        self._locks[key] = lock
+        self._services[key] = service
+        self._train_locks[key] = asyncio.Lock()
+        if not (directory / "tokenizer").exists():  # for `artrl dashboard` to show tokens as text
+            await asyncio.to_thread(save_tokenizer, service, directory)
+        self._trackers[key] = await asyncio.to_thread(  # W&B starts a process: seconds
+            open_trackers, model.report_to, directory, model.project, model.name, spec
+        )
+        return service.base_url, self.gateway_config.api_key or "artrl"
+
+    async def _start(self, model: TrainableModel, directory: Path) -> tuple[LocalService, dict[str, Any]]:
+        """model.json written, the service started from the latest checkpoint (the folder locked)."""
+        from artrl.local.service.service import LocalService
+
         spec = {
             "name": model.name,
             "project": model.project,
@@ -99,7 +147,7 @@ class ModelsHere:
             saved,
             {
                 **spec,
-                "engine": self.engine_config.model_dump(),
+                "engine": recorded_engine(self.engine_config),
                 "gateway": self.gateway_config.model_dump(exclude={"api_key"}),
                 "trainer": self.trainer_config.model_dump(),
             },
@@ -119,14 +167,7 @@ class ModelsHere:
             True,
             self.trainer_config,
         )
-        self._services[key] = service
-        self._train_locks[key] = asyncio.Lock()
-        if not (directory / "tokenizer").exists():  # for `artrl dashboard` to show tokens as text
-            await asyncio.to_thread(save_tokenizer, service, directory)
-        self._trackers[key] = await asyncio.to_thread(  # W&B starts a process: seconds
-            open_trackers, model.report_to, directory, model.project, model.name, spec
-        )
-        return service.base_url, self.gateway_config.api_key or "artrl"
+        return service, spec
 
     def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
         """The gateway in this process, reached without a socket (see local/gateway/in_process.py)."""
@@ -276,7 +317,12 @@ class ModelsHere:
             await asyncio.to_thread(self._renderer.close)
         services, self._services = list(self._services.values()), {}
         trackers, self._trackers = list(self._trackers.values()), {}
-        for service in services:
-            await service.close()
-        for tracker in trackers:
-            await asyncio.to_thread(tracker.close)
+        locks, self._locks = list(self._locks.values()), {}
+        try:
+            for service in services:
+                await service.close()
+            for tracker in trackers:
+                await asyncio.to_thread(tracker.close)
+        finally:  # (the folders are free once nothing here writes to them)
+            for lock in locks:
+                lock.release()

@@ -22,6 +22,7 @@ from artrl.local.backend.models_here import ModelsHere
 from artrl.local.gateway.in_process import AppLink, AppSide
 from artrl.model import TrainableModel
 
+log = logging.getLogger(__name__)
 METHODS = ("register", "train", "train_sft", "log", "export", "delete_checkpoints", "close")
 
 
@@ -60,23 +61,40 @@ class _Child:
             await self.backend.close()
 
     def _read(self, inbox: Connection, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        """The frames of the user's process, until it asks this one to exit or is gone. One that cannot be
+        read or handled ends this process as its exit does (the frames after it could be anyone's): every
+        model closed, then the pipes, which fails everything in flight there."""
         while True:
             try:
-                frame = pickle.loads(inbox.recv_bytes())
+                data = inbox.recv_bytes()
             except (EOFError, OSError):
                 break
-            kind = frame[0]
-            if kind == "exit":
+            try:
+                frame = pickle.loads(data)
+                if frame[0] == "exit":
+                    break
+                self._handle(frame, loop)
+            except BaseException:
+                log.error(
+                    "a frame from the user's process could not be read: the artrl service process ends",
+                    exc_info=True,
+                )
                 break
-            if kind == "call":
-                asyncio.run_coroutine_threadsafe(self._call(*frame[1:]), loop)
-            elif kind == "http":
-                self._http(*frame[1:])
-            elif kind == "gone" and frame[1] in self.incoming:
-                incoming, link = self.incoming[frame[1]]
-                link.disconnect(incoming)
         inbox.close()
         loop.call_soon_threadsafe(stop.set)
+
+    def _handle(self, frame: tuple, loop: asyncio.AbstractEventLoop) -> None:
+        kind = frame[0]
+        if kind == "call":
+            asyncio.run_coroutine_threadsafe(self._call(*frame[1:]), loop)
+        elif kind == "http":
+            self._http(*frame[1:])
+        elif kind == "gone":
+            entry = self.incoming.get(frame[1])  # (None: its answer ended meanwhile, on the loop)
+            if entry is not None:
+                entry[1].disconnect(entry[0])
+        else:
+            raise ValueError(f"a frame of unknown kind {kind!r}")
 
     async def _call(self, cid: int, method: str, blob: bytes) -> None:
         try:

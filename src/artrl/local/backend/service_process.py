@@ -106,55 +106,95 @@ class ServiceProcess:
                 raise ServiceProcessError(f"the artrl service process is gone ({exc})") from None
 
     def _read(self, inbox: Connection) -> None:
-        """The reader thread: answers and response messages to whoever waits for them."""
+        """The reader thread: answers and response messages to whoever waits for them. A frame it cannot
+        read or deliver ends it as the child's exit does: every call and request in flight fails at once
+        (the frames after it could be anyone's), and the child is stopped."""
+        failure = None
         while True:
             try:
-                frame = pickle.loads(inbox.recv_bytes())
+                data = inbox.recv_bytes()
             except (EOFError, OSError):
                 break
-            kind, key = frame[0], frame[1]
-            if kind == "result":
-                with self._lock:
-                    future = self._calls.pop(key, None)
-                if future is not None and not future.done():
-                    ok, value = frame[2], frame[3]
-                    future.set_result(value) if ok else future.set_exception(_remote_error(*value))
-                continue
-            with self._lock:
-                exchange = self._exchanges.get(key)
-                if kind == "end" or (kind == "whole") or (kind == "body" and not frame[3]):
-                    self._exchanges.pop(key, None)
-            if exchange is None:
-                continue
-            if kind in ("whole", "start"):
-                exchange.deliver({"type": "http.response.start", "status": frame[2], "headers": frame[3]})
-            if kind == "whole":
-                exchange.deliver({"type": "http.response.body", "body": frame[4]})
-            elif kind == "body":
-                exchange.deliver({"type": "http.response.body", "body": frame[2], "more_body": frame[3]})
-            elif kind == "end":
-                exchange.ended(frame[2])
+            try:
+                self._dispatch(pickle.loads(data))
+            except BaseException as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+                log.error("a frame from the artrl service process could not be read", exc_info=True)
+                break
         inbox.close()
-        self._died()
+        self._died(failure)
 
-    def _died(self) -> None:
-        """The child's pipe closed: fail everything in flight, and everything asked from now on."""
-        code = None
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = self._proc.wait(timeout=5)
-        message = (
-            f"the artrl service process exited (exit code {code}; its log is above, on this process's stderr)"
-        )
+    def _dispatch(self, frame: tuple) -> None:
+        kind, key = frame[0], frame[1]
+        if kind == "result":
+            with self._lock:
+                future = self._calls.pop(key, None)
+            if future is not None and not future.done():
+                ok, value = frame[2], frame[3]
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # (cancelled meanwhile)
+                    future.set_result(value) if ok else future.set_exception(_remote_error(*value))
+            return
+        if kind not in ("whole", "start", "body", "end"):
+            raise ValueError(f"a frame of unknown kind {kind!r}")
+        with self._lock:
+            exchange = self._exchanges.get(key)
+            if kind == "end" or (kind == "whole") or (kind == "body" and not frame[3]):
+                self._exchanges.pop(key, None)
+        if exchange is None:
+            return
+        messages = []
+        if kind in ("whole", "start"):
+            messages.append({"type": "http.response.start", "status": frame[2], "headers": frame[3]})
+        if kind == "whole":
+            messages.append({"type": "http.response.body", "body": frame[4]})
+        elif kind == "body":
+            messages.append({"type": "http.response.body", "body": frame[2], "more_body": frame[3]})
+        try:  # (the frame was read whole: a client that cannot take it fails alone)
+            for message in messages:
+                exchange.deliver(message)
+            if kind == "end":
+                exchange.ended(frame[2])
+        except Exception:
+            log.exception("a response could not be handed to its client")
+            self.drop_exchange(key)
+            with contextlib.suppress(ServiceProcessError, OSError):  # (the child stops generating it)
+                self._send(("gone", key))
+            with contextlib.suppress(Exception):
+                exchange.abandon("the artrl gateway's answer could not be handed to this client")
+
+    def _died(self, failure: str | None = None) -> None:
+        """The child's pipe closed, or `failure` broke it: fail everything in flight, and everything asked
+        from now on."""
+        if failure is not None:
+            message = (
+                f"this process could not read what the artrl service process sent ({failure}): it is stopped, "
+                "and whatever was in flight is lost; close this backend and register the models with a new one"
+            )
+            with self._send_lock:  # (its pipe closed: the child's reader ends it, its models closed)
+                self._dead = message
+                if self._out is not None:
+                    self._out.close()
+                    self._out = None
+        else:
+            code = None
+            if self._proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self._proc.wait(timeout=5)
+            message = (
+                f"the artrl service process exited (exit code {code}; its log is above, on this process's "
+                "stderr)"
+            )
         with self._lock, self._send_lock:
             self._dead = message
             calls, self._calls = list(self._calls.values()), {}
             exchanges, self._exchanges = list(self._exchanges.values()), {}
         for future in calls:
             if not future.done():
-                future.set_exception(ServiceProcessError(message))
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(ServiceProcessError(message))
         for exchange in exchanges:
-            exchange.abandon(message)
+            with contextlib.suppress(Exception):  # (one caller's failure must not keep the others waiting)
+                exchange.abandon(message)
 
     async def call(self, method: str, *args: Any) -> Any:
         """`method(*args)` of the child's backend; its result, or the exception it raised."""

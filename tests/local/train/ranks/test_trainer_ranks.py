@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -567,3 +568,83 @@ def test_only_rank_0_keeps_the_gathered_weights(rank):
         assert alive_at_each_gather == [0, 1, 2] and load(weights)["w2"].shape == (8,)
     else:
         assert alive_at_each_gather == [0, 0, 0] and weights is None
+
+
+# ---------------------------------------------------------------- the pipes' protocol, with stand-in ranks
+STAND_IN_RANK = """
+import os, sys, time
+from multiprocessing.connection import Connection
+
+inbox, outbox = Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+if os.environ["STAND_IN"] == "deaf":  # hung before reading its next command
+    time.sleep(600)
+inbox.recv_bytes()
+outbox.send_bytes(b"not a pickle")  # a reply that cannot be read
+outbox.send_bytes(__import__("pickle").dumps(("ok", "the reply of the call before")))
+time.sleep(600)
+"""
+
+
+def stand_in_ranks(tmp_path: Path, mode: str, call_timeout_s: float = 60.0) -> TrainerRanks:
+    """TrainerRanks over one stand-in rank process (STAND_IN_RANK), started as the real ones are."""
+    from artrl.local.concurrency.piped_process import start_piped
+
+    (tmp_path / "stand_in_rank.py").write_text(STAND_IN_RANK)
+    ranks = object.__new__(TrainerRanks)
+    ranks.config = TrainerConfig(ranks=1, call_timeout_s=call_timeout_s)
+    ranks.lock, ranks.broken, ranks._senders, ranks.store = threading.Lock(), None, [], None
+    ranks.logs = [tmp_path / "rank0.log"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "STAND_IN": mode}
+    process, outbox, inbox = start_piped("stand_in_rank", stdin=subprocess.DEVNULL, env=env)
+    ranks.procs, ranks.outboxes, ranks.inboxes = [process], [outbox], [inbox]
+    return ranks
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_rank_that_stops_reading_its_pipe_fails_the_send_within_the_deadline(tmp_path):
+    """A step's rows are more than a pipe holds: the send to a rank that reads nothing blocked for ever."""
+    ranks = stand_in_ranks(tmp_path, "deaf", call_timeout_s=2)
+    try:
+        started = time.monotonic()
+        thread, outcome = in_thread(lambda: ranks._ask("step", (b"x" * 8_000_000,)))
+        thread.join(30)
+        assert not thread.is_alive(), "the send to a rank that does not read blocked past its deadline"
+        assert isinstance(outcome.get("error"), TrainerRanksError), outcome
+        assert "trainer rank 0 did not read step within 2 s (TrainerConfig.call_timeout_s)" in str(
+            outcome["error"]
+        )
+        assert time.monotonic() - started < 15
+        assert ranks.procs[0].poll() is not None, "the rank is stopped"
+        with pytest.raises(TrainerRanksError, match="did not read step"):  # and stays an error
+            ranks._ask("sft", ())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            ranks.procs[0].kill()  # (on a blocked send: its pipe breaks, and the thread ends)
+        thread.join(30)
+        ranks.close()
+
+
+def test_a_reply_that_cannot_be_read_fails_the_ranks_instead_of_misaligning_the_next_call(tmp_path):
+    ranks = stand_in_ranks(tmp_path, "garbled")
+    try:
+        with pytest.raises(TrainerRanksError, match=r"trainer rank 0's reply during step could not be read"):
+            ranks._ask("step", ())
+        assert ranks.procs[0].poll() is not None, "the rank is stopped"
+        # never the previous call's late reply, which the pipe holds next
+        with pytest.raises(TrainerRanksError, match="could not be read"):
+            ranks._ask("step", ())
+    finally:
+        ranks.close()

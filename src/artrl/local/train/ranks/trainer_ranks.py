@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,7 @@ class TrainerRanks:
         self.outboxes: list[Connection] = []
         self.logs = [log_dir / "trainer-ranks" / f"rank{r}.log" for r in range(config.ranks)]
         self.broken: str | None = None
+        self._senders: list[threading.Thread] = []  # sends to the ranks' pipes (see _send_within)
         self._update: bytes | None = None
         # (the engine's device, not the model's: next to vLLM the main process's copy is on the CPU)
         devices = rank_devices(config, pick_device(engine))
@@ -149,7 +151,7 @@ class TrainerRanks:
                         threads=threads,
                     ),
                 )
-            self._replies("start", max(0.0, deadline - time.monotonic()))
+            self._replies("start", config.start_timeout_s, deadline)
         except BaseException:
             self.close()
             raise
@@ -169,25 +171,48 @@ class TrainerRanks:
         self.inboxes.append(inbox)
 
     def _send_spec(self, rank: int, deadline: float, spec: RankSpec) -> None:
-        """The spec (the adapter in it can be more than a pipe holds) in a thread, so a rank that never reads
-        it cannot block the start past its deadline."""
-        failed: list[BaseException] = []
+        """The spec (the adapter in it can be more than a pipe holds), by the start's deadline."""
+        self._send_within([rank], ForkingPickler.dumps(spec), deadline, "its start settings", "start")
 
-        def send() -> None:
+    def _send_within(self, ranks: list[int], data: Any, deadline: float, what: str, during: str) -> None:
+        """One pickled message (`Connection.send`'s bytes) to each of `ranks`, each in a thread of its own (a
+        step's rows are more than a pipe holds), by `deadline`: a rank that stops reading its pipe (hung,
+        stopped) or is gone fails them all, instead of blocking this call for ever."""
+        failed: list[int] = []
+
+        def send(rank: int, outbox: Connection) -> None:
             try:
-                self.outboxes[rank].send(spec)
-            except BaseException as exc:  # (a rank gone: its pipe is closed)
-                failed.append(exc)
+                outbox.send_bytes(data)
+            except BaseException:  # (a rank gone: its pipe is closed)
+                failed.append(rank)
 
-        sender = threading.Thread(target=send, name=f"trainer-rank-{rank}-spec", daemon=True)
-        sender.start()
-        while sender.is_alive() and time.monotonic() < deadline:
-            sender.join(0.5)
-            if sender.is_alive() and self.procs[rank].poll() is not None:
+        senders = {
+            rank: threading.Thread(
+                target=send, args=(rank, self.outboxes[rank]), name=f"trainer-rank-{rank}-send", daemon=True
+            )
+            for rank in ranks
+        }
+        self._senders.extend(senders.values())  # (close() waits for them before closing their pipes)
+        for sender in senders.values():
+            sender.start()
+        for rank, sender in senders.items():
+            while sender.is_alive() and not failed and time.monotonic() < deadline:
+                sender.join(0.2)
+                if sender.is_alive() and self.procs[rank].poll() is not None:
+                    break
+            if failed or sender.is_alive():
                 break
-        if sender.is_alive() or failed:
-            # (closing its pipe, in _fail, ends a send still blocked)
-            self._fail(f"trainer rank {rank} did not read its start settings ({self._exit(rank)})", rank)
+        for rank in sorted({*failed, *(r for r, s in senders.items() if s.is_alive())}):
+            if rank in failed or self.procs[rank].poll() is not None:
+                self._fail(f"trainer rank {rank} is gone ({self._exit(rank)}) before {during}", rank)
+            # (_fail stops the ranks: a send still blocked in a pipe then ends)
+            setting = "start_timeout_s" if during == "start" else "call_timeout_s"
+            self._fail(
+                f"trainer rank {rank} did not read {what} within {getattr(self.config, setting):g} s "
+                f"(TrainerConfig.{setting}): it is hung or stopped",
+                rank,
+            )
+        self._senders = [s for s in self._senders if s.is_alive()]
 
     # ---------------------------------------------------------------- the Trainer interface
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
@@ -236,20 +261,32 @@ class TrainerRanks:
 
     # ---------------------------------------------------------------- messages and failures
     def _ask(self, command: str, args: tuple[Any, ...]) -> list[Any]:
-        """Every rank's reply to `command`. One call at a time: a second caller (e.g. after a cancelled
-        `train` whose thread still runs) waits for the first call's replies, never takes them."""
+        """Every rank's reply to `command`, sent and answered within call_timeout_s. One call at a time: a
+        second caller (e.g. after a cancelled `train` whose thread still runs) waits for the first call's
+        replies, never takes them. A call that does not end with every reply read (a send or a reply that
+        fails, an interruption) stops the ranks: a later call would read this one's replies."""
         with self.lock:
             if self.broken is not None:
                 raise TrainerRanksError(self.broken)
-            for rank, outbox in enumerate(self.outboxes):
-                try:
-                    outbox.send((command, args))
-                except OSError:  # its pipe is closed: the rank is gone
-                    self._fail(f"trainer rank {rank} is gone ({self._exit(rank)}) before {command}", rank)
-            return self._replies(command, self.config.call_timeout_s)
+            deadline = time.monotonic() + self.config.call_timeout_s
+            try:
+                data = ForkingPickler.dumps((command, args))  # (once for every rank)
+                self._send_within(list(range(len(self.outboxes))), data, deadline, command, command)
+                return self._replies(command, self.config.call_timeout_s, deadline)
+            except BaseException as exc:
+                if self.broken is None:
+                    self.close(grace_s=0.0)
+                    self.broken = (
+                        f"the trainer ranks' {command} was interrupted ({type(exc).__name__}: {exc}): every "
+                        "trainer rank is stopped. Register the model again (a new LocalBackend) to resume from "
+                        "its latest checkpoint."
+                    )
+                raise
 
-    def _replies(self, what: str, timeout_s: float) -> list[Any]:
-        deadline = time.monotonic() + timeout_s
+    def _replies(self, what: str, timeout_s: float, deadline: float | None = None) -> list[Any]:
+        """Every rank's reply (by `deadline`, else within `timeout_s`). A reply that cannot be read, or is
+        not a reply, fails them all: the pipe's next bytes could be anything."""
+        deadline = deadline if deadline is not None else time.monotonic() + timeout_s
         replies: dict[int, Any] = {}
         while len(replies) < len(self.procs):
             pending = [r for r in range(len(self.procs)) if r not in replies]
@@ -259,6 +296,12 @@ class TrainerRanks:
                     kind, value = inbox.recv()  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     self._fail(f"trainer rank {rank} exited ({self._exit(rank)}) during {what}", rank)
+                except Exception as exc:  # (unpickling it failed, or it is no (kind, value) pair)
+                    self._fail(
+                        f"trainer rank {rank}'s reply during {what} could not be read ({type(exc).__name__}: "
+                        f"{exc})",
+                        rank,
+                    )
                 if kind == "error":
                     self._fail(f"trainer rank {rank} failed during {what}:\n{value}", rank)
                 replies[rank] = value
@@ -290,10 +333,14 @@ class TrainerRanks:
         raise TrainerRanksError(self.broken)
 
     def close(self, grace_s: float = 10.0) -> None:
-        """Ask every rank to stop, then kill the ones still running after `grace_s`."""
-        for outbox in self.outboxes:
-            with contextlib.suppress(OSError):
-                outbox.send(("close", ()))
+        """Ask every rank to stop (never blocking on a rank that does not read), then kill the ones still
+        running after `grace_s`."""
+        if grace_s > 0:  # (in threads: a rank that does not read its pipe is killed below)
+            data = ForkingPickler.dumps(("close", ()))
+            for outbox in self.outboxes:
+                sender = threading.Thread(target=_send_quietly, args=(outbox, data), daemon=True)
+                sender.start()
+                self._senders.append(sender)
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             try:
@@ -301,11 +348,19 @@ class TrainerRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for sender in self._senders:  # (their ranks are gone: a blocked write ends with EPIPE)
+            sender.join(5)
+        self._senders = []
         for connection in [*self.inboxes, *self.outboxes]:
             connection.close()
         self.inboxes, self.outboxes = [], []
         self.store = None  # (the rendezvous port is free again)
         self.broken = self.broken or "the trainer ranks are closed"
+
+
+def _send_quietly(outbox: Connection, data: Any) -> None:
+    with contextlib.suppress(OSError):  # (a rank gone)
+        outbox.send_bytes(data)
 
 
 def _tail(path: Path) -> list[str]:
