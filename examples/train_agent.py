@@ -30,6 +30,7 @@ from pathlib import Path
 # one live bar (GRPO's): no per-checkpoint "Writing model shards" bars from transformers
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+import httpx
 from tqdm import tqdm
 
 import artrl
@@ -149,6 +150,9 @@ async def main(args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         warm = await warm_start(backend, base_model, args)
         timings["warm_start"] = time.perf_counter() - t
+        if args.warm_start_only:
+            print(warm)  # (the folder to start a training server on: `artrl server <it>`)
+            return {"warm_start": warm}
 
         name = f"maze-seed{args.seed}-{int(time.time())}"
         lora = artrl.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None
@@ -158,8 +162,17 @@ async def main(args: argparse.Namespace) -> dict:
         )
         # the SFT stages above only train (embedded engine); the RL model's rollouts run on
         # --engine and its training in --trainer-ranks processes
-        rl_backend = backend
-        if args.engine != "hf" or args.trainer_ranks > 1:  # (vLLM decides its own threads)
+        rl_backend: artrl.LocalBackend | artrl.RemoteBackend = backend
+        if args.remote:  # a training server elsewhere (docs/remote.md), started on this warm start
+            rl_backend = artrl.RemoteBackend(args.remote, api_key=args.api_key)
+            served = httpx.get(f"{args.remote.rstrip('/')}/health", timeout=30).json()["base_model"]
+            if os.path.realpath(served) != os.path.realpath(warm):
+                raise SystemExit(
+                    f"the server at {args.remote} trains on {served}; the RL model starts from the warm start "
+                    f"{warm}: start the server with `artrl server {warm}` (or copy that folder to its machine)"
+                )
+            model = model.model_copy(update={"base_model": served})
+        elif args.engine != "hf" or args.trainer_ranks > 1:  # (vLLM decides its own threads)
             trainer = artrl.TrainerConfig(ranks=args.trainer_ranks)
             rl_backend = await stack.enter_async_context(
                 artrl.LocalBackend(
@@ -356,6 +369,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report-to", default="", help="experiment trackers: wandb,tensorboard,trackio")
     parser.add_argument("--path", default=".artrl")
     parser.add_argument("--out", default="demo_output")
+    parser.add_argument(
+        "--remote",
+        default=None,
+        help="train the RL model on the training server at this URL (docs/remote.md)",
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("ARTRL_API_KEY"), help="the server's key for --remote"
+    )
+    parser.add_argument(
+        "--warm-start-only",
+        action="store_true",
+        help="build (or find) the warm start, print its folder, stop",
+    )
     return parser.parse_args(argv)
 
 

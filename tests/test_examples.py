@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,48 @@ def test_the_demo_runs_on_another_model_family(family, family_dirs, tmp_path):
     summary = json.loads((out / "summary_seed0.json").read_text())
     assert len(summary["history"]) == 1 and summary["timings"]["pretraining"] == 0.0
     assert "validation" in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_train_agent_trains_through_a_training_server(tmp_path, demo_models):
+    """Two processes: `artrl server` on the demo's warm start, and the demo with --remote (docs/remote.md):
+    rollouts through the server's gateway, steps trained and checkpointed there."""
+    from artrl.local.engine.vllm.server import free_port
+
+    path, out, runs = tmp_path / "artrl", tmp_path / "out", tmp_path / "server-runs"
+    with demo_models(path, "tiny"):
+        warm = run_train_agent("--path", str(path), "--warm-start-only", timeout=900).strip().splitlines()[-1]
+    port = free_port()
+    log = (tmp_path / "server.log").open("wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "artrl.cli", "server", warm, "--port", str(port), "--path", str(runs)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(f"http://127.0.0.1:{port}/health"):
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        run_train_agent(
+            *("--path", str(path), "--out", str(out), "--remote", f"http://127.0.0.1:{port}"),
+            *("--steps", "2", "--val-size", "8", "--eval-every", "0"),
+            timeout=600,
+        )
+    finally:
+        server.terminate()
+        server.wait(60)
+        log.close()
+    summary = json.loads((out / "summary_seed0.json").read_text())
+    assert [h["step"] for h in summary["history"]] == [1, 2]
+    trained = list(runs.glob("default/maze/*/checkpoints/0002"))
+    assert len(trained) == 1, (tmp_path / "server.log").read_text()[-2000:]
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
