@@ -25,7 +25,12 @@ class ServerConfig(_Frozen):
         default=256 * 2**20, ge=1024, description="a training call's JSON body (trajectories) at most"
     )
     remembered_results: int = Field(
-        default=1024, ge=1, description="finished training calls kept per tenant by request id (retries)"
+        default=1024,
+        ge=1,
+        description="finished training calls' answers kept per tenant by request id (resends)",
+    )
+    max_queued_calls: int = Field(
+        default=16, ge=1, description="a tenant's training calls waiting or running at once (more: 429)"
     )
 
     @model_validator(mode="after")

@@ -24,6 +24,26 @@ KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
 PROMPT = [{"role": "user", "content": "Say something."}]
 
 
+def start_server(model_dir: Path, folder: Path, port: int, keys: Path | None = None) -> subprocess.Popen:
+    """`artrl server` as a process (its output in folder/server.log), once it answers /health."""
+    command = [sys.executable, "-m", "artrl.cli", "server", str(model_dir), "--port", str(port)]
+    command += ["--path", str(folder / "runs"), *(["--keys", str(keys)] if keys else [])]
+    with (folder / "server.log").open("ab") as log:  # (a file, not a pipe: nobody reads a pipe during tests)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, (folder / "server.log").read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     from artrl.local.engine.vllm.server import free_port
@@ -32,29 +52,10 @@ def server(tiny_model_dir, tmp_path_factory):
     keys = folder / "keys"
     keys.write_text(f"# tenants\nalice {KEY_A}\nbob {KEY_B}\n")
     port = free_port()
-    command = [sys.executable, "-m", "artrl.cli", "server", str(tiny_model_dir), "--port", str(port)]
-    log = (folder / "server.log").open("wb")  # (a file, not a pipe: nobody reads a pipe while tests run)
-    process = subprocess.Popen(
-        [*command, "--keys", str(keys), "--path", str(folder / "runs")],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, (folder / "server.log").read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.2)
-    yield url, folder / "runs"
+    process = start_server(tiny_model_dir, folder, port, keys)
+    yield f"http://127.0.0.1:{port}", folder / "runs"
     process.terminate()
     process.wait(60)
-    log.close()
 
 
 async def scored_groups(model: artrl.TrainableModel, n: int = 2) -> list[artrl.TrajectoryGroup]:
@@ -157,3 +158,70 @@ def test_a_bad_keys_file_is_a_clear_error(tmp_path: Path):
     (tmp_path / "keys").write_text("alice short\n")
     with pytest.raises(ValueError, match="at least 16 characters"):
         Tenants.from_file(str(tmp_path / "keys"))
+
+
+async def test_a_server_killed_mid_step_keeps_every_acknowledged_step(tiny_model_dir, tmp_path):
+    """SIGKILL while a step is in flight, then a restart on the same folder: the steps whose answers went
+    out are there, a resend of an answered call gets its answer again (not a new step), and training goes on."""
+    from artrl.local.engine.vllm.server import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_server(tiny_model_dir, tmp_path, port)
+    model = artrl.TrainableModel(name="durable", project="remote", base_model=str(tiny_model_dir))
+    await model.register(artrl.RemoteBackend(url))
+    assert (await model.train(await scored_groups(model))).step == 1
+    body = {
+        "groups": [g.model_dump(mode="json") for g in await scored_groups(model)],
+        "config": artrl.TrainConfig().model_dump(mode="json"),
+        "request_id": "answered-" + uuid.uuid4().hex[:16],
+    }
+    path = f"{url}/artrl/v1/models/durable/train"
+    async with httpx.AsyncClient(timeout=120) as http:
+        answered = (await http.post(path, json=body)).json()["result"]
+        in_flight = asyncio.ensure_future(http.post(path, json={**body, "request_id": uuid.uuid4().hex}))
+        await asyncio.sleep(0.05)
+        process.kill()  # SIGKILL: before, during or after the third step
+        process.wait(30)
+        try:
+            third = (await in_flight).json()["result"]["step"]  # (answered before the kill: acknowledged)
+        except httpx.HTTPError:
+            third = None  # (cut off: committed or not, the server decides)
+    assert answered["step"] == 2
+    process = start_server(tiny_model_dir, tmp_path, port)
+    try:
+        again = artrl.TrainableModel(name="durable", project="remote", base_model=str(tiny_model_dir))
+        await again.register(artrl.RemoteBackend(url))  # the client, restarted too
+        resumed = await again.get_step()
+        assert resumed == 3 if third == 3 else resumed in (2, 3)  # an answered step is never lost
+        async with httpx.AsyncClient(timeout=120) as http:
+            assert (await http.post(path, json=body)).json()["result"] == answered
+        assert (await again.train(await scored_groups(again))).step == resumed + 1
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+async def test_a_tenant_with_too_many_calls_waiting_is_refused(tmp_path):
+    from artrl.config import EngineConfig, ServerConfig
+    from artrl.local.server.hosted import HostedModels, OverLimit
+
+    hosted = HostedModels(
+        ServerConfig(base_model="x", path=str(tmp_path), max_queued_calls=1), EngineConfig()
+    )
+    release = asyncio.Event()
+
+    async def slow() -> dict:
+        await release.wait()
+        return {"step": 1}
+
+    first = asyncio.ensure_future(hosted.once("alice", "call-0001", slow))
+    await asyncio.sleep(0)
+    with pytest.raises(OverLimit, match="max_queued_calls"):
+        await hosted.once("alice", "call-0002", slow)
+    assert await hosted.once("bob", "call-0003", lambda: asyncio.sleep(0, {"step": 7})) == {"step": 7}
+    release.set()
+    assert await first == {"step": 1}
+    assert await hosted.once("alice", "call-0001", slow) == {"step": 1}  # answered again, from disk
+    with pytest.raises(ValueError, match="request_id"):
+        await hosted.once("alice", "../../etc", slow)

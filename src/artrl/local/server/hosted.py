@@ -1,20 +1,23 @@
 """The models a training server hosts: each tenant's registered in that tenant's `ModelsHere` (its own run
 folders under `{path}/{tenant}/`), looked up by the name they are served under, and training calls made
-once per request id however often a client resends them."""
+once per request id however often a client resends them — across a restart of the server too: a finished
+call's answer is on disk (`{path}/{tenant}/.requests/`) before it is sent."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import secrets
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 from artrl.config import EngineConfig, GatewayConfig, ServerConfig, TrainerConfig
 from artrl.local.backend.models_here import ModelsHere
 from artrl.model import TrainableModel
+from artrl.storage import atomic_write_json
 
-T = TypeVar("T")
 SPEC_FIELDS = ("name", "project", "base_model", "lora", "chat_format")  # what a client registers
 
 
@@ -36,6 +39,7 @@ class HostedModels:
         self._here: dict[str, ModelsHere] = {}
         self._models: dict[str, dict[str, TrainableModel]] = {}  # tenant -> served name -> model
         self._once: dict[str, _Once] = {}
+        self._queued: dict[str, int] = {}  # tenant -> training calls waiting or running
         self._registering = asyncio.Lock()
 
     def models_of(self, tenant: str) -> list[TrainableModel]:
@@ -88,38 +92,66 @@ class HostedModels:
             models[model.name] = model
             return model
 
-    async def once(self, tenant: str, request_id: str | None, work: Callable[[], Awaitable[T]]) -> T:
+    async def once(self, tenant: str, request_id: str | None, work: Callable[[], Awaitable[Any]]) -> Any:
         """`work()` at most once per request id: a resend while it runs waits for the same result, a resend
-        after it succeeded gets that result again (a failure is not kept: a resend tries again)."""
-        if request_id is None:
-            return await work()
-        once = self._once.setdefault(tenant, _Once(self.config.remembered_results))
-        return await once.run(request_id, work)
+        after it succeeded gets that result again, after a restart too (a failure is not kept: a resend
+        tries again). At most `max_queued_calls` of a tenant's calls wait or run at once."""
+        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+            raise ValueError("request_id must be 8-64 letters, digits, '-' or '_'")
+        queued = self._queued.get(tenant, 0)
+        if queued >= self.config.max_queued_calls:
+            raise OverLimit(
+                f"this tenant has {queued} training calls waiting or running (ServerConfig.max_queued_calls); "
+                "wait for one to finish"
+            )
+        self._queued[tenant] = queued + 1
+        try:
+            if request_id is None:
+                return await work()
+            folder = Path(self.config.path) / tenant / ".requests"
+            once = self._once.setdefault(tenant, _Once(folder, self.config.remembered_results))
+            return await once.run(request_id, work)
+        finally:
+            self._queued[tenant] -= 1
 
     async def close(self) -> None:
         for here in self._here.values():
             await here.close()
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+
+
 class _Once:
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._done: OrderedDict[str, Any] = OrderedDict()
+    """Calls by request id: running ones in memory, finished ones' answers (JSON) in `folder`, the newest
+    `size` of them kept."""
+
+    def __init__(self, folder: Path, size: int) -> None:
+        self._folder, self._size = folder, size
         self._running: dict[str, asyncio.Future] = {}
 
-    async def run(self, key: str, work: Callable[[], Awaitable[T]]) -> T:
-        if key in self._done:
-            return self._done[key]
+    async def run(self, key: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        done = self._folder / f"{key}.json"
+        if done.exists():
+            return json.loads(done.read_text())["result"]
         running = self._running.get(key)
         if running is None:
-            running = self._running[key] = asyncio.ensure_future(work())
-            running.add_done_callback(lambda f: self._finished(key, f))
+            running = self._running[key] = asyncio.ensure_future(self._run(key, work))
         # a caller that goes away (a dropped connection) leaves the work running for its resend
         return await asyncio.shield(running)
 
-    def _finished(self, key: str, future: asyncio.Future) -> None:
-        self._running.pop(key, None)
-        if not future.cancelled() and future.exception() is None:
-            self._done[key] = future.result()
-            while len(self._done) > self._size:
-                self._done.popitem(last=False)
+    async def _run(self, key: str, work: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            result = await work()
+            plain = result.model_dump(mode="json") if hasattr(result, "model_dump") else result
+            await asyncio.to_thread(self._keep, key, plain)
+            return plain
+        finally:
+            self._running.pop(key, None)
+
+    def _keep(self, key: str, result: Any) -> None:
+        self._folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self._folder / f"{key}.json", {"result": result})
+        kept = sorted(self._folder.glob("*.json"), key=lambda f: f.stat().st_mtime)
+        for old in kept[: max(0, len(kept) - self._size)]:
+            old.unlink(missing_ok=True)
