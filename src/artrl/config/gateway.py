@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field, model_validator
 
 from artrl.config.frozen import _Frozen
@@ -12,7 +14,9 @@ class GatewayConfig(_Frozen):
 
     It listens on loopback by default. Bound anywhere else it needs an `api_key` (anyone who can reach the
     port could otherwise generate, read captures and change nothing less than the training data), unless
-    `allow_unauthenticated=True` says that the network is trusted.
+    `allow_unauthenticated=True` says that the network is trusted. Without a key it answers only requests
+    whose `Host` is a loopback name or address, `host` itself or one of `allowed_hosts`: a web page whose own
+    name its DNS turned into 127.0.0.1 (DNS rebinding) is refused.
     """
 
     host: str = "127.0.0.1"
@@ -37,6 +41,18 @@ class GatewayConfig(_Frozen):
         "expiry (httpx: 5 s) or a request sent as the server closes the connection is lost",
     )
     max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_json_depth: int = Field(
+        default=64,
+        ge=8,
+        le=128,
+        description="arrays and objects nested in a request body (and in the JSON of a tool call's arguments); "
+        "deeper is a 400 before anything parses it (a real request needs a dozen or two)",
+    )
+    allowed_hosts: tuple[str, ...] = Field(
+        default=(),
+        description="`Host` names accepted besides loopback names and addresses and `host` itself ('*': any), "
+        "checked while no api_key is set (a page that rebinds its name cannot send the key)",
+    )
     in_process_clients: bool = Field(
         default=True,
         description="`model.openai_client()` reaches the gateway in its own process without a socket (the "
@@ -94,9 +110,37 @@ class ClientConfig(_Frozen):
 
 
 class DashboardConfig(_Frozen):
-    """`artrl dashboard PATH`: a local web page over the runs under PATH."""
+    """`artrl dashboard PATH`: a local web page over the runs under PATH.
+
+    Like the gateway, it listens on loopback by default, refuses to listen anywhere else without an `api_key`
+    (the page then sends it: open it as `http://HOST:PORT/#curves?key=KEY`) unless `allow_unauthenticated=True`,
+    and without a key answers only a loopback name or address, `host` or one of `allowed_hosts` as `Host`.
+    """
 
     host: str = Field(default="127.0.0.1", description="loopback by default: the page shows trajectories")
     port: int = Field(default=8765, ge=0, le=65535)
+    api_key: str | None = Field(
+        default_factory=lambda: os.environ.get("ARTRL_DASHBOARD_KEY") or None,
+        min_length=1,
+        description="if set, the page's API needs it (`Authorization: Bearer <key>`); default: "
+        "$ARTRL_DASHBOARD_KEY (an environment variable: a command line shows in `ps`)",
+    )
+    allow_unauthenticated: bool = Field(
+        default=False, description="serve on a non-loopback host without an api_key (a trusted network)"
+    )
+    allowed_hosts: tuple[str, ...] = Field(
+        default=(),
+        description="`Host` names accepted besides loopback and `host` ('*': any), as the gateway's",
+    )
     poll_interval_s: float = Field(default=3.0, gt=0, description="how often the page refreshes a live run")
     max_tokens_shown: int = Field(default=20_000, ge=1, description="tokens of one row sent to the page")
+
+    @model_validator(mode="after")
+    def _key_beyond_loopback(self) -> DashboardConfig:
+        if not is_loopback(self.host) and self.api_key is None and not self.allow_unauthenticated:
+            raise ValueError(
+                f"DashboardConfig(host={self.host!r}) would show the runs' trajectories to the network without "
+                "a key: set api_key='...' (or $ARTRL_DASHBOARD_KEY; open the page as "
+                "http://HOST:PORT/#curves?key=KEY), or allow_unauthenticated=True on a trusted network"
+            )
+        return self

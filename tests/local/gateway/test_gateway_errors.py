@@ -508,7 +508,7 @@ async def test_an_oversized_body_is_refused_before_it_is_read(served):
     url = urlsplit(served.inference_base_url)
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 1000000000000\r\n\r\n{"
     )
     await writer.drain()

@@ -1,5 +1,11 @@
 """The dashboard's web app: a read-only JSON API over the run folders under a root, and one static page
-(plain HTML, CSS and JavaScript shipped in the package: nothing to build at install)."""
+(plain HTML, CSS and JavaScript shipped in the package: nothing to build at install).
+
+Every request passes the gateway's guard (gateway/guard.py) first: without a key only a loopback name or
+address, the bound host or an allowed name as `Host` (a page that rebinds its DNS name to 127.0.0.1 reads
+nothing); with a key (`DashboardConfig.api_key`), every /api/ route needs it (the page reads it from its
+address, `#curves?key=KEY`, and sends it as a Bearer token).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 
-from artrl.config import DashboardConfig
+from artrl.config import DashboardConfig, is_loopback
 from artrl.local.dashboard.runs import (
     RunNotFound,
     clean_history,
@@ -25,6 +31,7 @@ from artrl.local.dashboard.runs import (
     trajectory_at,
 )
 from artrl.local.dashboard.token_rows import recorded_rows, token_text, trained_rows, view_rows
+from artrl.local.gateway.guard import Guard, Rules, TrustedHosts
 
 STATIC = Path(__file__).parent / "static"
 PAGES = {"": "index.html", "dashboard.js": "dashboard.js", "dashboard.css": "dashboard.css"}
@@ -58,9 +65,19 @@ def trajectory_view(
     }
 
 
+def _refusal(status: int, message: str, code: str) -> JSONResponse:
+    if code == "invalid_api_key":
+        message = "this dashboard has a key: open the page as http://HOST:PORT/#curves?key=KEY"
+    return JSONResponse({"error": message}, status_code=status)
+
+
 def create_dashboard_app(root: str | Path, config: DashboardConfig) -> FastAPI:
     root_path = Path(root).resolve()
     app = FastAPI(title="artrl dashboard", docs_url=None, redoc_url=None)
+    rules = Rules(
+        TrustedHosts(config.host, config.allowed_hosts), _refusal, config.api_key, keyed_paths=("/api/",)
+    )
+    app.add_middleware(Guard, rules=rules)
 
     @app.exception_handler(RunNotFound)
     async def not_found(request: Request, exc: RunNotFound) -> JSONResponse:
@@ -116,9 +133,9 @@ def start_dashboard(root: str | Path, config: DashboardConfig):
     from artrl.config import GatewayConfig
     from artrl.local.gateway.server import GatewayServer
 
-    server = GatewayServer(
-        create_dashboard_app(root, config), GatewayConfig(host=config.host, port=config.port)
-    )
+    # (the app checks hosts and its key itself: the server's config only says where it listens)
+    where = GatewayConfig(host=config.host, port=config.port, allow_unauthenticated=True)
+    server = GatewayServer(create_dashboard_app(root, config), where)
     server.start(timeout_s=30)
     return server
 
@@ -129,8 +146,9 @@ def run(root: str | Path, config: DashboardConfig) -> None:
 
     if not Path(root).is_dir():
         raise FileNotFoundError(f"{root} is not a folder: point the dashboard at a LocalBackend's path")
-    if config.host not in ("127.0.0.1", "localhost", "::1"):
+    if not is_loopback(config.host) and config.api_key is None:  # (allow_unauthenticated=True)
         print(f"artrl dashboard: listening on {config.host}: anyone who reaches it can read the trajectories")
     host = f"[{config.host}]" if ":" in config.host else config.host
-    print(f"artrl dashboard over {Path(root).resolve()}: http://{host}:{config.port}/  (Ctrl-C stops it)")
+    page = f"http://{host}:{config.port}/" + ("#curves?key=KEY (its api_key)" if config.api_key else "")
+    print(f"artrl dashboard over {Path(root).resolve()}: {page}  (Ctrl-C stops it)")
     uvicorn.run(create_dashboard_app(root, config), host=config.host, port=config.port, log_level="warning")

@@ -1,14 +1,13 @@
 """HTTP routes of the gateway: each POST route hands its call to calls.py in its dialect (dialects/), plain
 chat completions included; the rest are models, health and capture blocks. Nothing else happens here.
 
-Every client error is a 4xx with an OpenAI-style body; an unexpected failure is a 500 with a message, and
-the server keeps answering either way.
+Every client error is a 4xx with an OpenAI-style body; an unexpected failure is a 500 that says what failed
+in general terms with an error id (the server's log has the id with the full text), and the server keeps
+answering either way. What every request passes first (Host, key, JSON) is guard.py's.
 """
 
 from __future__ import annotations
 
-import hmac
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,10 +20,10 @@ from artrl.config import GatewayConfig
 from artrl.local.gateway.calls import Calls, error_response
 from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.dialects import ChatDialect, Dialect, MessagesDialect, ResponsesDialect
+from artrl.local.gateway.dialects.dialect import failure_text
+from artrl.local.gateway.guard import Guard, Rules, TrustedHosts
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.serving import ChatServing
-
-log = logging.getLogger(__name__)
 
 
 def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
@@ -32,7 +31,14 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
     store = CaptureStore(config)
     calls = Calls(serving, store, config)
     app.state.preparing = calls.preparing  # the prompt-building thread, shut down with the server
-    app.add_middleware(_Guard, api_key=config.api_key)
+    rules = Rules(
+        TrustedHosts(config.host, config.allowed_hosts),
+        error_response,
+        config.api_key,
+        keyed_paths=("/v1/", "/capture/"),
+        json_posts=True,
+    )
+    app.add_middleware(Guard, rules=rules)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -79,7 +85,8 @@ def _add_calls(app: FastAPI, calls: Calls, path: str, dialect: Dialect) -> None:
 
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error as an OpenAI-style body: a RequestError with its own status, Starlette's (404, 405) with
-    theirs, a request FastAPI cannot validate as a 400, anything unexpected as a logged 500."""
+    theirs, a request FastAPI cannot validate as a 400, anything unexpected as a 500 with an error id (its
+    text and traceback go to the log under that id, not to the client)."""
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -95,49 +102,4 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected gateway error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
-
-
-class _Guard:
-    """Pure ASGI middleware (a Starlette `BaseHTTPMiddleware` would hide client disconnects from the routes):
-
-    - the API key, when one is set, on /v1/ and /capture/ routes (as a bearer token or, as Anthropic's
-      clients send it, `x-api-key`), checked before the body is read;
-    - a body must be JSON and say so: a web page's form or text/plain POST, which browsers send cross-site
-      without asking first, never reaches the gateway (415)."""
-
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope) -> JSONResponse | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        path = scope["path"]
-        if self.api_key is not None and path.startswith(("/v1/", "/capture/")):
-            scheme, _, given = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
-                given = headers.get("x-api-key", "")
-            if not given or not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                return error_response(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
-                    "invalid_api_key",
-                )
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            kind = headers.get("content-type", "").split(";")[0].strip().lower()
-            has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
-            if (kind or has_body or path.endswith("/chat/completions")) and kind != "application/json":
-                return error_response(
-                    415,
-                    f"Content-Type must be application/json (got {kind or 'none'})",
-                    "unsupported_media_type",
-                )
-        return None
+        return error_response(500, failure_text(exc, "internal error"), "internal_error")

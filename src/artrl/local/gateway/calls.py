@@ -19,7 +19,8 @@ from artrl.local.engine.contract import EngineError
 from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.dialects import Dialect
 from artrl.local.gateway.dialects.chat import complete
-from artrl.local.gateway.protocol import RequestError, parse_request
+from artrl.local.gateway.dialects.dialect import failure_text
+from artrl.local.gateway.protocol import RequestError, check_depth, parse_request
 from artrl.local.gateway.serving import ChatServing, PreparedRequest
 
 
@@ -34,6 +35,7 @@ class Calls:
     def __init__(self, serving: ChatServing, store: CaptureStore, config: GatewayConfig) -> None:
         self.serving, self.store = serving, store
         self.max_request_bytes, self.max_inflight = config.max_request_bytes, config.max_inflight_requests
+        self.max_depth = config.max_json_depth
         # rendering and tokenising a prompt (seconds for a huge one) happen here, one request at a time, never
         # on the event loop that answers every other client
         self.preparing = ThreadPoolExecutor(1, thread_name_prefix="artrl-prepare")
@@ -77,7 +79,7 @@ class Calls:
                     return Response(status_code=499)
             body = work.result()
         except EngineError as exc:
-            return error_response(500, f"the engine failed: {exc}", "engine_error")
+            return error_response(500, failure_text(exc, "the engine failed"), "engine_error")
         finally:
             work.cancel()
         if capture_id is not None and not await request.is_disconnected():
@@ -86,9 +88,11 @@ class Calls:
 
     def _prepare(self, raw: bytes, dialect: Dialect) -> tuple[PreparedRequest, Any]:
         """The request checked, rendered and tokenised (translated to chat first by its dialect), and what
-        its dialect keeps for the answer."""
+        its dialect keeps for the answer. Its depth first: parsing, checking, marking and rendering all
+        recurse, and a 3 KB body nested 400 deep would exhaust the interpreter's stack (a 500)."""
+        check_depth(raw, self.max_depth)
         body, context = dialect.chat_request(raw)
-        return self.serving.prepare(parse_request(body)), context
+        return self.serving.prepare(parse_request(body, self.max_depth)), context
 
 
 async def _bounded_body(request: Request, limit: int) -> bytes:

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 _END = object()  # the response body is complete
+IN_PROCESS = "artrl.in_process"  # the scope extension of the requests these transports carry
 
 
 class Exchanges:
@@ -187,7 +188,7 @@ class _Transport:
 
 
 def _scope(request: Any, server: tuple) -> dict[str, Any]:
-    """The ASGI scope of an httpx request (HTTP/1.1, from loopback)."""
+    """The ASGI scope of an httpx request (HTTP/1.1, from loopback, marked as in-process)."""
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -201,6 +202,9 @@ def _scope(request: Any, server: tuple) -> dict[str, Any]:
         "headers": [(k.lower(), v) for k, v in request.headers.raw],
         "server": server,
         "client": ("127.0.0.1", 0),
+        # a client in this process (or the parent's, over the service pipe): its Host is whatever its base URL
+        # says, never a web page's (guard.py checks the Host of requests from the network only)
+        "extensions": {IN_PROCESS: {}},
     }
 
 

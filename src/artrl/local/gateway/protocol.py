@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from itertools import accumulate
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -108,7 +110,50 @@ _FIELD_NAMES = {
 }
 
 
-def parse_request(raw: bytes) -> ChatRequest:
+# a JSON string (with its escapes), and every byte but the four brackets
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [{ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}.get(b, 0) for b in range(256)]
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON `text` (0: a scalar), counted without parsing it (the brackets
+    outside strings, in C loops: milliseconds for 8 MiB). Text that is not JSON gets some count, and the
+    parser's refusal after."""
+    brackets = _STRING.sub("", text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
+
+
+def check_depth(raw: bytes | str, limit: int, where: str = "the request body") -> None:
+    """A RequestError (400) when the JSON in `raw` nests deeper than `limit`: before anything that recurses
+    over it (parsing, validation, marking control tokens, the chat template) can exhaust the stack."""
+    if isinstance(raw, bytes):
+        try:  # (as json.loads decodes bytes)
+            raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if json_depth(raw) > limit:
+        raise RequestError(
+            f"{where} is nested deeper than {limit} levels of arrays and objects (GatewayConfig.max_json_depth)",
+            code="too_deep",
+        )
+
+
+def _argument_strings(body: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(where, text) of each tool call's arguments sent as a JSON string: the gateway parses those too."""
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for j, call in enumerate(calls if isinstance(calls, list) else ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                yield f"messages[{i}].tool_calls[{j}].function.arguments", arguments
+
+
+def parse_request(raw: bytes, max_depth: int | None = None) -> ChatRequest:
+    """The chat request in `raw`, checked; with `max_depth`, the JSON of tool calls' arguments (strings in
+    the body) may nest no deeper than that (the body itself: `check_depth` before)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -117,6 +162,9 @@ def parse_request(raw: bytes) -> ChatRequest:
         raise RequestError("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object", code="invalid_json")
+    if max_depth is not None:
+        for where, arguments in _argument_strings(body):
+            check_depth(arguments, max_depth, where)
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

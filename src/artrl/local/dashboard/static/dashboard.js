@@ -26,7 +26,9 @@ const svgEl = (tag, attrs = {}) => {
 };
 async function api(path, params = {}) {
   const query = new URLSearchParams(params).toString();
-  const response = await fetch(`api/${path}${query ? "?" + query : ""}`);
+  const key = sessionStorage.getItem("artrl-key"); // a dashboard with a key: from the address, #...?key=KEY
+  const headers = key ? { Authorization: `Bearer ${key}` } : {};
+  const response = await fetch(`api/${path}${query ? "?" + query : ""}`, { headers });
   if (!response.ok) throw new Error((await response.json().catch(() => ({}))).error || response.statusText);
   return response.json();
 }
@@ -38,6 +40,7 @@ const colourOf = (run) => COLOURS[state.runs.findIndex((r) => r.id === run) % CO
 function readHash() {
   const [view, query] = location.hash.slice(1).split("?");
   const params = new URLSearchParams(query || "");
+  if (params.get("key")) sessionStorage.setItem("artrl-key", params.get("key")); // (writeHash drops it)
   state.view = view === "traj" ? "traj" : "curves";
   if (params.get("runs")) { state.selected = new Set(params.get("runs").split(",")); state.pinned = true; }
   if (state.view === "traj") {
@@ -242,10 +245,10 @@ async function poll() {
   } catch (e) { $("live").classList.add("stale"); $("live").textContent = "offline"; }
 }
 async function main() {
+  readHash(); // first: it may hold the key the API needs
   const config = await api("config");
   state.pollMs = config.poll_interval_s * 1000;
   $("root").textContent = config.root;
-  readHash();
   await refreshRuns();
   $("metric-filter").addEventListener("input", showCurves);
   $("traj-run").addEventListener("change", (e) => openRun(e.target.value));

@@ -9,11 +9,9 @@ conversation sent back continues the calls the gateway made, token-exactly, as o
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from artrl.local.engine.contract import EngineError
 from artrl.local.gateway.dialects.anthropic_items import (
     BlockEvents,
     content_blocks,
@@ -22,12 +20,10 @@ from artrl.local.gateway.dialects.anthropic_items import (
     stop_fields,
 )
 from artrl.local.gateway.dialects.chat import chat_choice
-from artrl.local.gateway.dialects.dialect import Record, json_body, text_of, typed
+from artrl.local.gateway.dialects.dialect import Record, failure_text, json_body, text_of, typed
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
 from artrl.random_ids import random_hex
-
-log = logging.getLogger(__name__)
 
 # accepted and without effect here (bookkeeping of Anthropic's hosted service)
 _IGNORED = frozenset(
@@ -240,9 +236,6 @@ class MessagesDialect:
                     )
                     yield sse_event("message_stop")
         except Exception as exc:  # headers are sent: the failure goes in the stream
-            if not isinstance(exc, EngineError):
-                log.exception("messages stream failed")
-            kind = "api_error"
             yield sse_event(
-                "error", error={"type": kind, "message": f"generation failed: {type(exc).__name__}: {exc}"}
+                "error", error={"type": "api_error", "message": failure_text(exc, "generation failed")}
             )

@@ -6,15 +6,12 @@ the non-streaming fold (`complete`) are every dialect's: the others answer from 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from artrl.local.engine.contract import EngineError
 from artrl.local.gateway.dialects.dialect import Record, stream_error, usage
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
-
-log = logging.getLogger(__name__)
 
 
 def chat_choice(serving: ChatServing, prepared: PreparedRequest, result: ChoiceResult) -> dict[str, Any]:
@@ -114,7 +111,6 @@ class ChatDialect:
         except EngineError as exc:  # headers are sent: report the failure in the stream itself
             yield stream_error(exc, "engine_error")
         except Exception as exc:
-            log.exception("stream failed")
             yield stream_error(exc, "internal_error")
         yield b"data: [DONE]\n\n"
 

@@ -4,13 +4,19 @@ dialects use to read a request and write an answer (see the package docstring)."
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from artrl.local.engine.contract import EngineError
 from artrl.local.gateway.protocol import RequestError
+from artrl.random_ids import random_hex
 
 if TYPE_CHECKING:
     from artrl.local.gateway.serving import ChatServing, ChoiceResult, PreparedRequest
+
+log = logging.getLogger(__name__)
 
 Record = Callable[[list[dict[str, Any]]], None]
 """Records a finished call's chat-format choices in its capture (a no-op outside one)."""
@@ -69,7 +75,25 @@ def usage(prepared: PreparedRequest, results: list[ChoiceResult]) -> dict[str, i
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+# where an engine's message quotes a server's log (engine/vllm/server.py): from here to its last line break
+_LOG_TAIL = re.compile(r"Last lines of .*\n", re.S)
+
+
+def failure_text(exc: BaseException, what: str) -> str:
+    """What a client is told of a failure on the server's side: `what` failed, and an error id that the
+    server's log shows with the full text (and traceback). An engine's own reason (a replica that exited, a
+    request the engine refused) is the client's business and stays, without the server log it may quote;
+    any other exception's text (paths, internals) goes to the log only."""
+    error_id = f"err_{random_hex(16)}"
+    if isinstance(exc, EngineError):
+        log.error("%s (error id %s): %s", what, error_id, exc)
+        reason = " ".join(_LOG_TAIL.sub("(its log: in the server's log) ", str(exc)).split())[:1000]
+        return f"{what}: {reason} (error id {error_id})"
+    log.error("%s (error id %s): %s: %s", what, error_id, type(exc).__name__, exc, exc_info=exc)
+    return f"{what} (error id {error_id}: the server's log has the details)"
+
+
 def stream_error(exc: Exception, code: str) -> bytes:
     """A failure after the headers went out, as the stream's own server-sent event."""
-    body = RequestError(f"generation failed: {type(exc).__name__}: {exc}", code=code, status=500).body()
+    body = RequestError(failure_text(exc, "generation failed"), code=code, status=500).body()
     return f"data: {json.dumps(body)}\n\n".encode()

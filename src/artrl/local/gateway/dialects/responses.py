@@ -10,7 +10,6 @@ the same token fields a chat choice carries (`prompt_token_ids`, `token_ids`, ..
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -25,8 +24,6 @@ from artrl.local.gateway.dialects.responses_items import ResponseEvents, input_m
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.gateway.serving import ChatServing, ChoiceResult, Delta, PreparedRequest
 from artrl.random_ids import random_hex
-
-log = logging.getLogger(__name__)
 
 # accepted and without effect here (bookkeeping of OpenAI's hosted service)
 _IGNORED = frozenset(
@@ -227,5 +224,4 @@ class ResponsesDialect:
         except EngineError as exc:
             yield stream_error(exc, "engine_error")
         except Exception as exc:  # headers are sent: the failure goes in the stream
-            log.exception("responses stream failed")
             yield stream_error(exc, "internal_error")
