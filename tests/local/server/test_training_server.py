@@ -225,3 +225,75 @@ async def test_a_tenant_with_too_many_calls_waiting_is_refused(tmp_path):
     assert await hosted.once("alice", "call-0001", slow) == {"step": 1}  # answered again, from disk
     with pytest.raises(ValueError, match="request_id"):
         await hosted.once("alice", "../../etc", slow)
+
+
+async def test_every_tenants_model_trains_over_one_copy_of_the_base(tiny_model_dir, tmp_path):
+    """Three tenants' models: each its own LoRA, trainer and engine, over the same base tensors."""
+    from artrl.config import EngineConfig, ServerConfig
+    from artrl.local.server.hosted import HostedModels
+
+    hosted = HostedModels(ServerConfig(base_model=str(tiny_model_dir), path=str(tmp_path)), EngineConfig())
+    try:
+        spec = {"name": "m", "project": "p", "base_model": str(tiny_model_dir)}
+        models = [(t, await hosted.register(t, spec)) for t in ("a", "b", "c")]
+        trees = [hosted.find(t, m.name)[0].service(m).model for t, m in models]
+        base = [n for n, _ in trees[0].named_parameters() if "lora_" not in n]
+        for tree in trees:
+            assert hosted.base.parameters_shared_with(tree) == len(base)  # not one base tensor copied
+        adapters = [{p.data_ptr() for n, p in tree.named_parameters() if "lora_" in n} for tree in trees]
+        assert all(adapters) and not adapters[0] & adapters[1] and not adapters[1] & adapters[2]
+        with pytest.raises(ValueError, match="full fine-tuning"):
+            await hosted.register("a", {**spec, "name": "full", "lora": None})
+    finally:
+        await hosted.close()
+
+
+async def test_a_tenants_step_changes_only_its_own_model(tiny_model_dir, tmp_path):
+    """Greedy answers of three tenants' models on one base: one trains a step (a large learning rate), its
+    answer moves; the other two answer token for token as before."""
+    from artrl.local.engine.vllm.server import free_port
+
+    keys = tmp_path / "keys"
+    keys.write_text("".join(f"{t} {t}-key-0123456789abcdef\n" for t in ("a", "b", "c")))
+    port = free_port()
+    process = start_server(tiny_model_dir, tmp_path, port, keys)
+    try:
+        url, models = f"http://127.0.0.1:{port}", []
+        for tenant in ("a", "b", "c"):
+            model = artrl.TrainableModel(name="agent", project=tenant, base_model=str(tiny_model_dir))
+            await model.register(artrl.RemoteBackend(url, api_key=f"{tenant}-key-0123456789abcdef"))
+            models.append(model)
+
+        async def greedy(model: artrl.TrainableModel) -> list[int]:
+            completion = await model.openai_client().chat.completions.create(
+                model=model.name, messages=PROMPT, max_tokens=16, temperature=0.0
+            )
+            return completion.choices[0].model_extra["token_ids"]
+
+        before = [await greedy(m) for m in models]
+        assert before[0] == before[1] == before[2]  # (fresh adapters: the base's own answer)
+        await models[0].train(await scored_groups(models[0], 4), artrl.TrainConfig(learning_rate=5e-2))
+        after = [await greedy(m) for m in models]
+        assert after[1:] == before[1:]
+        assert after[0] != before[0]
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def test_a_server_without_keys_answers_only_loopback_names(tiny_model_dir, tmp_path):
+    """Without keys the server is loopback-only: a web page reaching it through its own DNS name (rebinding)
+    sends that name as Host and is refused, and a cross-site form POST is refused before any route."""
+    from artrl.local.engine.vllm.server import free_port
+
+    port = free_port()
+    process = start_server(tiny_model_dir, tmp_path, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/artrl/v1/models", headers={"Host": "evil.example"}).status_code == 421
+        form = httpx.post(f"{url}/artrl/v1/models", content=b"name=x", headers={"content-type": "text/plain"})
+        assert form.status_code == 415
+        assert httpx.get(f"{url}/artrl/v1/models").json() == {"data": []}
+    finally:
+        process.terminate()
+        process.wait(60)

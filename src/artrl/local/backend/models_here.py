@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,10 +77,16 @@ class ModelsHere:
     """The models of one backend, served and trained in this process. Files under `path/{project}/{model}/`."""
 
     def __init__(
-        self, path: str, engine: EngineConfig, gateway: GatewayConfig, trainer: TrainerConfig
+        self,
+        path: str,
+        engine: EngineConfig,
+        gateway: GatewayConfig,
+        trainer: TrainerConfig,
+        load: Callable[..., tuple[Any, Any]] | None = None,
     ) -> None:
         self.path = path
         self.engine_config, self.gateway_config, self.trainer_config = engine, gateway, trainer
+        self._load = load  # (None: each model loads its weights; a training server's: SharedBase.load)
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._trackers: dict[tuple[str, str], Trackers] = {}
@@ -166,6 +173,7 @@ class ModelsHere:
             model.chat_format,
             True,
             self.trainer_config,
+            *((self._load,) if self._load is not None else ()),
         )
         return service, spec
 

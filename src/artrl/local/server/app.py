@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from artrl.config import CheckpointRetention, GatewayConfig, SFTConfig, TrainConfig
+from artrl.local.gateway.guard import Guard, Rules, TrustedHosts
 from artrl.local.gateway.in_process import openai_httpx
 from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
 from artrl.local.server.tenants import ADMIN, Tenants, bearer
@@ -58,6 +59,10 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     )
     limit = hosted.config.max_request_bytes
     chat_limit = GatewayConfig().max_request_bytes
+    # with keys the key decides (any Host); without, a loopback server answers only loopback names (DNS
+    # rebinding); a POST must be JSON, so no web page reaches it cross-site (gateway/guard.py)
+    hosts = TrustedHosts(hosted.config.host, ("*",) if tenants.keyed else ())
+    app.add_middleware(Guard, rules=Rules(hosts, lambda s, m, c: _error(s, m, c), json_posts=True))
 
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused) -> JSONResponse:

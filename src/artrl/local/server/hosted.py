@@ -15,6 +15,7 @@ from typing import Any
 
 from artrl.config import EngineConfig, GatewayConfig, ServerConfig, TrainerConfig
 from artrl.local.backend.models_here import ModelsHere
+from artrl.local.models.shared_base import SharedBase
 from artrl.model import TrainableModel
 from artrl.storage import atomic_write_json
 
@@ -33,7 +34,12 @@ class HostedModels:
     def __init__(
         self, config: ServerConfig, engine: EngineConfig, trainer: TrainerConfig | None = None
     ) -> None:
+        # every model generates through its adapter (a merged copy of the adapted layers, the CPU's default,
+        # would be a near base copy per model)
+        if engine.merge_lora == "auto":
+            engine = engine.model_copy(update={"merge_lora": "never"})
         self.config, self.engine, self.trainer = config, engine, trainer or TrainerConfig()
+        self.base = SharedBase(config.base_model)  # the base weights, once for every tenant's models
         # each model's own gateway answers only the server (loopback, and this key)
         self.gateway = GatewayConfig(api_key=secrets.token_urlsafe(32))
         self._here: dict[str, ModelsHere] = {}
@@ -64,6 +70,11 @@ class HostedModels:
                 f"unknown model fields {unknown}; a model is registered with {list(SPEC_FIELDS)}"
             )
         model = TrainableModel.model_validate(spec)
+        if model.lora is None:
+            raise ValueError(
+                "the training server trains LoRA adapters on its one copy of the base weights; full "
+                "fine-tuning (lora=None) changes those weights: train it with a LocalBackend"
+            )
         if model.base_model != self.config.base_model:
             raise ValueError(
                 f"this server trains models on {self.config.base_model!r}; model {model.name!r} has "
@@ -87,7 +98,8 @@ class HostedModels:
             here = self._here.get(tenant)
             if here is None:
                 path = f"{self.config.path}/{tenant}"
-                here = self._here[tenant] = ModelsHere(path, self.engine, self.gateway, self.trainer)
+                here = ModelsHere(path, self.engine, self.gateway, self.trainer, self.base.load)
+                self._here[tenant] = here
             await here.register(model)
             models[model.name] = model
             return model

@@ -40,6 +40,10 @@ class Tenants:
             raise ValueError(f"{path} holds no `TENANT KEY` line")
         return cls(keys)
 
+    @property
+    def keyed(self) -> bool:
+        return self._keys is not None
+
     def tenant(self, key: str | None) -> str | None:
         """The tenant of `key` (None: no such key). Compared in constant time against every key."""
         if self._keys is None:

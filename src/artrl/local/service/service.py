@@ -68,8 +68,12 @@ class LocalService:
         chat_format: str | None = None,
         trainable: bool = True,
         trainer_config: TrainerConfig | None = None,
+        load: Callable[..., tuple[Any, Any]] = load_model_and_tokenizer,
     ) -> LocalService:
         """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread.
+
+        `load` is `load_model_and_tokenizer` or what stands for it (`SharedBase.load`: the base weights of a
+        training server's models, in memory once).
 
         `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state.
         `trainer_config.ranks > 1` trains in that many processes (TrainerRanks), started here."""
@@ -91,7 +95,7 @@ class LocalService:
                 "pass lora=artrl.LoraConfig(...) or load the weights unquantized"
             )
         with LOADING:  # one model built at a time in this process (see LOADING)
-            model, tokenizer = load_model_and_tokenizer(
+            model, tokenizer = load(
                 base_model,
                 main_copy_config(engine_config, trainer_config, trainable),
                 str(resume_from) if full_weights else None,
