@@ -97,7 +97,7 @@ def main() -> int:
         mode, n, base = args.child
         print(json.dumps(asyncio.run(child(mode, int(n), base))), flush=True)
         return 0
-    base = ensure_model(args.preset, HERE / ".models")
+    base = ensure_model(args.preset, HERE / "out" / "models")  # (as bench_memory.py: ignored by git)
     rows, last_ratio, reading = [], None, ""
     for n in (int(x) for x in args.models.split(",")):
         separate, shared = run_child("separate", n, base), run_child("shared", n, base)

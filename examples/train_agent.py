@@ -164,7 +164,7 @@ async def main(args: argparse.Namespace) -> dict:
         # --engine and its training in --trainer-ranks processes
         rl_backend: artrl.LocalBackend | artrl.RemoteBackend = backend
         if args.remote:  # a training server elsewhere (docs/remote.md), started on this warm start
-            rl_backend = artrl.RemoteBackend(args.remote, api_key=args.api_key)
+            rl_backend = artrl.RemoteBackend(args.remote)  # (its key: $ARTRL_API_KEY, never argv)
             served = httpx.get(f"{args.remote.rstrip('/')}/health", timeout=30).json()["base_model"]
             if os.path.realpath(served) != os.path.realpath(warm):
                 raise SystemExit(
@@ -372,10 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--remote",
         default=None,
-        help="train the RL model on the training server at this URL (docs/remote.md)",
-    )
-    parser.add_argument(
-        "--api-key", default=os.environ.get("ARTRL_API_KEY"), help="the server's key for --remote"
+        help="train the RL model on the training server at this URL ($ARTRL_API_KEY: its key; docs/remote.md)",
     )
     parser.add_argument(
         "--warm-start-only",

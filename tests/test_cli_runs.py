@@ -123,6 +123,7 @@ async def test_history_of_a_run_and_of_a_root(runs, capsys):
         (["merge", "{root}/cli/full", "{tmp}/out"], "nothing to merge; use `artrl export"),
         (["serve", "{root}/cli/agent", "--step", "9"], "no checkpoint of step 9"),
         (["serve", "{root}/cli/agent", "--host", "0.0.0.0"], "api_key"),
+        (["serve", "{root}/cli/agent", "--api-key", "sekret"], "ps"),
         (["dashboard", "{root}/nowhere"], "is not a folder"),
     ],
 )
@@ -242,9 +243,9 @@ class Lines:
 
 
 async def test_serve_a_saved_step_to_any_openai_client_until_sigterm(runs):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ARTRL_API_KEY": "sekret"}  # (not on the command line)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "artrl.cli", "serve", str(runs.lora), "--api-key", "sekret"],
+        [sys.executable, "-m", "artrl.cli", "serve", str(runs.lora)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -78,7 +79,15 @@ def _serve(args: argparse.Namespace) -> int:
     from artrl.local.runs.run_folder import open_run
     from artrl.local.runs.serve_run import serve_run
 
-    gateway = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key)
+    if args.api_key is not None:
+        raise ValueError(
+            "--api-key puts the key on the command line, where `ps` shows it to every user of this machine: "
+            "give it in a file (--api-key-file FILE) or in $ARTRL_API_KEY"
+        )
+    key = (
+        Path(args.api_key_file).read_text().strip() if args.api_key_file else os.environ.get("ARTRL_API_KEY")
+    )
+    gateway = GatewayConfig(host=args.host, port=args.port, api_key=key or None)
     serve_run(open_run(args.run_dir), args.step, gateway, say=lambda line: print(line, flush=True))
     return 0
 
@@ -152,7 +161,12 @@ def _add_run_commands(commands) -> None:
     serve.add_argument("--step", type=int, default=None, help="the checkpoint (default: the latest)")
     serve.add_argument("--host", default="127.0.0.1", help="another host than loopback needs --api-key")
     serve.add_argument("--port", type=int, default=0, help="0 (default) = a free port, printed at start")
-    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        help="a file holding the key clients must send ('Authorization: Bearer KEY'); or set $ARTRL_API_KEY",
+    )
+    serve.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # (refused: `ps` shows it)
     dashboard = commands.add_parser("dashboard", help="a local web page over the runs under PATH")
     dashboard.add_argument("path", nargs="?", default=".artrl", help="the root of the runs (default .artrl)")
     dashboard.add_argument("--host", default="127.0.0.1")

@@ -297,3 +297,21 @@ def test_a_server_without_keys_answers_only_loopback_names(tiny_model_dir, tmp_p
     finally:
         process.terminate()
         process.wait(60)
+
+
+async def test_an_oversized_body_is_refused_before_it_is_read_whole(tmp_path):
+    from artrl.config import EngineConfig, ServerConfig
+    from artrl.local.server.app import create_server_app
+    from artrl.local.server.hosted import HostedModels
+    from artrl.local.server.tenants import Tenants
+
+    config = ServerConfig(base_model="x", path=str(tmp_path), max_request_bytes=1024)
+    app = create_server_app(HostedModels(config, EngineConfig()), Tenants(None))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+        big = {"name": "m", "project": "p", "base_model": "x", "chat_format": "x" * 4096}
+        response = await http.post("/artrl/v1/models", json=big)
+        assert response.status_code == 413 and "exceeds 1024" in response.json()["error"]["message"]
+        assert (
+            await http.post("/artrl/v1/models", json={"name": "m"})
+        ).status_code == 400  # (then: its fields)
