@@ -29,6 +29,11 @@ class ServerConfig(_Frozen):
         ge=1,
         description="finished training calls' answers kept per tenant by request id (resends)",
     )
+    max_concurrent_requests: int = Field(
+        default=256,
+        ge=1,
+        description="a tenant's generation requests (chat, Responses, Messages) at once (more: 429)",
+    )
     max_queued_calls: int = Field(
         default=16, ge=1, description="a tenant's training calls waiting or running at once (more: 429)"
     )

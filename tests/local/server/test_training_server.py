@@ -315,3 +315,20 @@ async def test_an_oversized_body_is_refused_before_it_is_read_whole(tmp_path):
         assert (
             await http.post("/artrl/v1/models", json={"name": "m"})
         ).status_code == 400  # (then: its fields)
+
+
+def test_a_tenants_requests_in_flight_are_bounded():
+    from artrl.local.server.app import Inflight, Refused
+
+    inflight = Inflight(2)
+    first, second = inflight.take("alice"), inflight.take("alice")
+    with pytest.raises(Refused, match="max_concurrent_requests") as refused:
+        inflight.take("alice")
+    assert refused.value.status == 429
+    inflight.take("bob")()  # (another tenant's slots are its own)
+    first()
+    first()  # (given back once, however often called)
+    inflight.take("alice")
+    with pytest.raises(Refused):
+        inflight.take("alice")
+    second()

@@ -47,6 +47,7 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     """The routes over `hosted`; at shutdown every model's engine, gateway and trainer is closed."""
     gateways = _Gateways(hosted)
+    inflight = Inflight(hosted.config.max_concurrent_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -137,6 +138,14 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
 
     async def proxied(request: Request) -> Response:
         tenant = _tenant(request, tenants)
+        release = inflight.take(tenant)  # (429 beyond the tenant's limit; given back when the answer ends)
+        try:
+            return await _proxy(request, tenant, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _proxy(request: Request, tenant: str, release) -> Response:
         raw = await _bounded(request, chat_limit)
         try:
             name = json.loads(raw).get("model")
@@ -152,11 +161,23 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
             "POST", request.url.path, content=raw, headers={"content-type": "application/json"}
         )
         response = await client.send(upstream, stream=True)
+
+        async def finished() -> None:
+            release()
+            await response.aclose()
+
+        async def body():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:  # (the client went away mid-answer, too: the slot is given back)
+                release()
+
         return StreamingResponse(
-            response.aiter_raw(),
+            body(),
             status_code=response.status_code,
             media_type=response.headers.get("content-type"),
-            background=BackgroundTask(response.aclose),
+            background=BackgroundTask(finished),
         )
 
     for path in PROXIED:
@@ -251,6 +272,33 @@ async def _export(here, model) -> Response:
 def _tar(source: Path, archive: Path) -> None:
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(source, arcname=".")
+
+
+class Inflight:
+    """Each tenant's generation requests in flight, at most `limit` at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count = limit, {}
+
+    def take(self, tenant: str):
+        """A slot (429 when none is left): the function that gives it back, once, however often called."""
+        if self.count.get(tenant, 0) >= self.limit:
+            raise Refused(
+                429,
+                f"this tenant has {self.limit} requests in flight (ServerConfig.max_concurrent_requests); "
+                "retry shortly",
+                "too_many_requests",
+            )
+        self.count[tenant] = self.count.get(tenant, 0) + 1
+        given = False
+
+        def release() -> None:
+            nonlocal given
+            if not given:
+                given = True
+                self.count[tenant] -= 1
+
+        return release
 
 
 class _Gateways:
