@@ -176,6 +176,13 @@ class EngineConfig(_Frozen):
     max_context: int | None = Field(
         default=None, description="prompt + completion tokens; None = the model's max_position_embeddings"
     )
+    kv_cache_budget_bytes: int | None = Field(
+        default=16 * 1024**3,
+        ge=1,
+        description="embedded engine: the running batch's KV cache at most, every row padded to the longest "
+        "(rows × the longest row's prompt + max_tokens × the keys and values of a token across layers); a request "
+        "that would exceed it waits, in order, for rows to finish (one alone always runs). None = no limit",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field(default="auto", description="'auto' picks cuda when available, else cpu")
     default_max_tokens: int = Field(default=1024, ge=1, description="when a request sets no max_tokens")

@@ -72,6 +72,7 @@ class HFEngine:
             max_context=max_context,
             max_batch_size=config.max_batch_size,
             max_prefill_tokens=config.max_prefill_tokens,
+            kv_cache_budget_bytes=config.kv_cache_budget_bytes,
             prefix_cache=self.prefix_cache,
             cache_arg=cache_arg,
         )

@@ -88,6 +88,28 @@ def fail_sequences(sequences: list[RunningSequence], message: str, reason: str =
             seq.stream.end(reason, message)  # type: ignore[arg-type]
 
 
+def cached_token_bytes(model: Any) -> int | None:
+    """Bytes of keys and values one token takes in the KV cache, across layers (2 × layers × kv heads ×
+    head_dim × dtype size), from the model's config; None where it says not."""
+    for module in model.modules():  # (a PEFT or other wrapper holds the transformers model)
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "get_text_config"):
+            continue
+        text = config.get_text_config()
+        layers = getattr(text, "num_hidden_layers", None)
+        heads = getattr(text, "num_attention_heads", None)
+        if not layers or not heads:
+            continue
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        try:  # the hidden states' dtype: the embeddings' (a quantised model's linear weights are not)
+            size = module.get_input_embeddings().weight.element_size()
+        except Exception:
+            size = next(p for p in model.parameters() if p.is_floating_point()).element_size()
+        return 2 * layers * kv_heads * head_dim * size
+    return None
+
+
 class RunningBatch:
     """Waiting requests, the running batch, and the prefill/decode steps over `model` (engine thread only)."""
 
@@ -100,11 +122,16 @@ class RunningBatch:
         max_prefill_tokens: int,
         prefix_cache: PrefixCache,
         cache_arg: str,
+        kv_cache_budget_bytes: int | None = None,
     ) -> None:
         self.model = model
         self._max_context = max_context
         self._max_batch_size = max_batch_size
         self._max_prefill_tokens = max_prefill_tokens  # padded prompt tokens one prefill may hold
+        # the running batch's padded KV cache at most (rows × longest row × token_bytes); None: no limit
+        self._kv_budget = kv_cache_budget_bytes
+        # keys and values of one cached token across layers: from the config, then measured at a prefill
+        self.token_bytes: int | None = cached_token_bytes(model)
         self.prefix_cache = prefix_cache
         self._cache_arg = cache_arg  # the forward's name for the KV cache argument
         self._device = next(model.parameters()).device
@@ -127,22 +154,40 @@ class RunningBatch:
         self.batch = _Batch()
 
     def admit(self) -> None:
-        """Prefill waiting requests into the batch: as many as fit in its free rows and in the prefill token
-        budget (prompts are left-padded to the longest), always at least one when a row is free."""
+        """Prefill waiting requests into the batch, in their order: as many as fit in its free rows, in the
+        prefill token budget (prompts are left-padded to the longest) and in the KV cache budget (every row is
+        padded to the longest: rows × the longest row's prompt + max_tokens × token_bytes); always at least one
+        when the batch is empty (an over-budget request runs alone) or, with a free row, within the budget. A
+        request that does not fit waits at the head: the ones behind it do not pass it."""
         room = self._max_batch_size - len(self.batch.sequences)
+        rows = len(self.batch.sequences)
+        widest = max(
+            [self.batch.cache.length if self.batch.cache is not None else 0]
+            + [self._final_length(s.position + 1 - s.generated, s.params) for s in self.batch.sequences]
+        )
         admitted: list[Request] = []
         longest = 0
-        while self.pending and (room >= len(self.pending[0].sequences) or (not admitted and room > 0)):
+        while self.pending:
             request = self.pending[0]
-            padded = max(longest, len(request.prompt_ids)) * (len(admitted) + 1)
-            if admitted and padded > self._max_prefill_tokens:
-                break
-            self.pending.pop(0)
-            if all(s.stream.aborted for s in request.sequences):
+            if all(s.stream.aborted for s in request.sequences):  # (never waits for room it will not use)
+                self.pending.pop(0)
                 for s in request.sequences:
                     s.finish("abort")
                 continue
+            if not (room >= len(request.sequences) or (not admitted and room > 0)):
+                break
+            padded = max(longest, len(request.prompt_ids)) * (len(admitted) + 1)
+            if admitted and padded > self._max_prefill_tokens:
+                break
+            width = max(
+                widest, *(self._final_length(len(request.prompt_ids), s.params) for s in request.sequences)
+            )
+            if rows and not self._fits_cache(rows + len(request.sequences), width):
+                break
+            self.pending.pop(0)
             room -= len(request.sequences)
+            rows += len(request.sequences)
+            widest = width
             admitted.append(request)
             longest = max(longest, len(request.prompt_ids))
         if not admitted:
@@ -160,6 +205,16 @@ class RunningBatch:
         except Exception as exc:
             log.exception("admitting requests failed")
             fail_sequences([s for r in admitted for s in r.sequences], f"{type(exc).__name__}: {exc}")
+
+    def _final_length(self, prompt: int, params: SamplingParams) -> int:
+        """Tokens a row holds at most: its prompt and max_tokens, within the context."""
+        return min(prompt + params.max_tokens, self._max_context)
+
+    def _fits_cache(self, rows: int, width: int) -> bool:
+        """Whether `rows` rows padded to `width` columns fit in the KV cache budget."""
+        if self._kv_budget is None or self.token_bytes is None:
+            return True
+        return rows * width * self.token_bytes <= self._kv_budget
 
     def _prefix_matches(self, requests: list[Request]) -> list[PrefixMatch | None]:
         """Each request's longest cached start; requests without one that start alike (one scenario's
@@ -268,6 +323,8 @@ class RunningBatch:
 
     def _merge(self, sequences, keys, values, mask) -> None:
         batch = self.batch
+        # (measured: exact where the config's estimate is not, a quantised model's say)
+        self.token_bytes = sum(t.shape[1] * t.shape[3] * t.element_size() for t in (*keys, *values))
         if not batch.sequences or batch.cache is None:
             self.batch = _Batch(list(sequences), BatchCache.from_states(keys, values), mask)
             return
