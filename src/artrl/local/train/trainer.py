@@ -7,6 +7,7 @@ generation pauses between two token steps, and the next token is sampled from th
 
 from __future__ import annotations
 
+import copy as copy_module
 import logging
 import pickle
 import time
@@ -160,7 +161,11 @@ class Trainer:
     pass that trains nothing and keeps the ranks' collectives in step) and `across` (metric reduction).
     `fused_lora`: plain LoRA linears train through `fused_lora.FusedLoraLinear` (TrainerConfig.fused_lora);
     `fused_norms`: RMS norms through `fused_norm.FusedRMSNorm` (TrainerConfig.fused_norms);
-    `share_prompts`: rows sharing a prompt compute it once (TrainerConfig.share_prompts; logprobs.py)."""
+    `share_prompts`: rows sharing a prompt compute it once (TrainerConfig.share_prompts; logprobs.py);
+    `roll_back`: a call that raises after an optimizer step puts the trainable parameters and the optimizer
+    state back as they were before the call (`_Before`): the served weights stay those of the last committed
+    step. A trainer rank passes False (a rank that fails stops every rank: the served model never loaded the
+    update, and the ranks cannot train again)."""
 
     def __init__(
         self,
@@ -172,6 +177,7 @@ class Trainer:
         fused_lora: bool = False,
         share_prompts: bool = False,
         fused_norms: bool = False,
+        roll_back: bool = True,
     ) -> None:
         self.model = model
         self.pad_id = pad_id
@@ -197,6 +203,8 @@ class Trainer:
         self.across: Reduction = across or OneProcess()
         self._fused = FusedLoraTraining.of(model) if fused_lora else None
         self._norms = FusedNormTraining.of(model) if fused_norms else None
+        self.roll_back = roll_back
+        self._before: _Before | None = None  # the call's state before its first optimizer step
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
         """GRPO: rows (with their advantages) → micro-batches → logprobs → loss → backward, then clip and
@@ -232,6 +240,9 @@ class Trainer:
                     total.add(terms, entropy, mb, before_any_update=total.optimizer_steps == 0)
                 total.grad_norm = self._optimizer_step(config.max_grad_norm)
                 total.optimizer_steps += 1
+        except BaseException:
+            self._roll_back()
+            raise
         finally:
             self._end()
         total.reduce(self.across)
@@ -263,6 +274,9 @@ class Trainer:
                 grad_norm = self._optimizer_step(config.max_grad_norm)
                 loss += step_loss
                 done += 1
+        except BaseException:
+            self._roll_back()
+            raise
         finally:
             self._end()
         loss, entropy_sum, weight = self.across.sum([loss, entropy_sum, weight])
@@ -295,6 +309,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- the pieces of both loops
     def _begin(self, config: TrainConfig | SFTConfig) -> None:
+        self._before = None
         self.ready()
         for group in self.optimizer.param_groups:
             group.update(lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay)
@@ -316,6 +331,13 @@ class Trainer:
             inner.activation_checkpointing_disable()
             inner.disable_input_require_grads()  # (its embedding hook would outlive the call otherwise)
         self.optimizer.zero_grad(set_to_none=True)
+        self._before = None
+
+    def _roll_back(self) -> None:
+        """A call that failed after an optimizer step: its parameters and optimizer state as before it."""
+        if self._before is not None:
+            self._before.restore(self)
+            self._before = None
 
     def _sharing(self, config: TrainConfig | SFTConfig) -> bool:
         """Whether this call computes shared prompts once (not under activation checkpointing, which runs the
@@ -352,6 +374,8 @@ class Trainer:
         limit = max_grad_norm if max_grad_norm is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.parameters, limit)  # a DTensor when FSDP shards them
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if self.roll_back and self._before is None:  # (the call's first optimizer step)
+            self._before = _Before.of(self)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -383,6 +407,46 @@ class Trainer:
                 f"{optimizer_file} is not a plain optimizer state (refused to unpickle it): {exc}"
             ) from None
         self.optimizer.load_state_dict(state)
+
+
+class _Before:
+    """The trainable parameters and the optimizer state before a call's first optimizer step, to put back if
+    the call fails after it. A LoRA adapter's copy is small and stays on its device; with full fine-tuning
+    the copy (the weights and Adam's two moments: three times the trained weights) goes to CPU memory, not
+    the GPU's, and is taken once per call."""
+
+    def __init__(self, parameters: list[torch.Tensor], state: dict[Any, dict[str, Any]]) -> None:
+        self.parameters = parameters
+        self.state = state
+
+    @classmethod
+    def of(cls, trainer: Trainer) -> _Before:
+        where = None if trainer.has_adapter else torch.device("cpu")
+
+        def copy(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value.detach().to(where, copy=True)
+            return copy_module.deepcopy(value)
+
+        parameters = [copy(p) for p in trainer.parameters]
+        state = {p: {k: copy(v) for k, v in s.items()} for p, s in trainer.optimizer.state.items()}
+        return cls(parameters, state)
+
+    def restore(self, trainer: Trainer) -> None:
+        with torch.no_grad():
+            for p, saved in zip(trainer.parameters, self.parameters, strict=True):
+                p.copy_(saved)
+        # (a parameter's first step adds its state: the state before the call may have none)
+        current = trainer.optimizer.state
+        restored = {
+            p: {
+                k: (v.to(current[p][k].device) if isinstance(v, torch.Tensor) and k in current[p] else v)
+                for k, v in s.items()
+            }
+            for p, s in self.state.items()
+        }
+        current.clear()
+        current.update(restored)
 
 
 def load_adapter(model: Any, directory: str) -> None:

@@ -148,6 +148,7 @@ class Rank:
             logprobs=lambda mb, chunk, with_entropy: self.root(mb, chunk, with_entropy),
             micro_batches=partial(rank_micro_batches, ranks=spec.ranks, rank=spec.rank),
             across=AcrossRanks(self.device if spec.backend == "nccl" else torch.device("cpu")),
+            roll_back=False,  # (a rank that fails stops them all: TrainerRanksError, nothing to roll back)
         )
         if spec.optimizer_file is not None:
             self._load_optimizer(spec.optimizer_file)
