@@ -52,7 +52,7 @@ class Calls:
             )
         self.preparing_now += 1
         try:
-            raw = await _bounded_body(request, self.max_request_bytes)
+            raw = await bounded_body(request, self.max_request_bytes)
             if capture_id is not None:
                 self.store.check(capture_id)
             loop = asyncio.get_running_loop()
@@ -95,7 +95,7 @@ class Calls:
         return self.serving.prepare(parse_request(body, self.max_depth)), context
 
 
-async def _bounded_body(request: Request, limit: int) -> bytes:
+async def bounded_body(request: Request, limit: int) -> bytes:
     """The request body, refused (413) as soon as it is known to exceed `limit` bytes: from its declared
     length before reading any of it, or while it streams in, never after holding all of it."""
 

@@ -23,8 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from artrl.config import CheckpointRetention, GatewayConfig, SFTConfig, TrainConfig
+from artrl.local.gateway.calls import bounded_body
+from artrl.local.gateway.dialects.dialect import json_body
 from artrl.local.gateway.guard import Guard, Rules, TrustedHosts
 from artrl.local.gateway.in_process import openai_httpx
+from artrl.local.gateway.protocol import RequestError
 from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
 from artrl.local.server.tenants import ADMIN, Tenants, bearer
 from artrl.storage import latest_step
@@ -68,6 +71,10 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused) -> JSONResponse:
         return _error(exc.status, str(exc), exc.code)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -146,7 +153,7 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
             raise
 
     async def _proxy(request: Request, tenant: str, release) -> Response:
-        raw = await _bounded(request, chat_limit)
+        raw = await bounded_body(request, chat_limit)
         try:
             name = json.loads(raw).get("model")
         except (ValueError, AttributeError, RecursionError):
@@ -232,28 +239,9 @@ def _plain(value: Any) -> Any:
     return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
 
 
-async def _bounded(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise Refused(413, f"request body of {declared} bytes exceeds {limit}", "request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise Refused(413, f"request body exceeds {limit} bytes", "request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def _json(request: Request, limit: int) -> dict[str, Any]:
-    raw = await _bounded(request, limit)
-    try:
-        body = json.loads(raw or b"{}")
-    except (ValueError, RecursionError) as exc:
-        raise Refused(400, f"the body is not JSON: {str(exc)[:200]}", "invalid_request") from None
-    if not isinstance(body, dict):
-        raise Refused(400, "the body must be a JSON object", "invalid_request")
-    return body
+    """The body as a JSON object within `limit` bytes (the gateway's readers: 413 / 400 as RequestError)."""
+    return json_body(await bounded_body(request, limit) or b"{}")
 
 
 async def _export(here, model) -> Response:

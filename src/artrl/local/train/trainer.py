@@ -7,7 +7,6 @@ generation pauses between two token steps, and the next token is sampled from th
 
 from __future__ import annotations
 
-import copy as copy_module
 import logging
 import pickle
 import time
@@ -24,6 +23,7 @@ from artrl.local.train.fused_norm import FusedNormTraining
 from artrl.local.train.logprobs import head_is_the_models, shares_prefixes, token_logprobs, unwrapped
 from artrl.local.train.loss import LossTerms, policy_loss, sft_loss
 from artrl.local.train.pack import MicroBatch, collate, pack, pack_by_prompt, shared_prompt
+from artrl.local.train.rollback import CallStart
 from artrl.local.train.rows import NO_LOGPROB, Row
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class Trainer:
     `fused_norms`: RMS norms through `fused_norm.FusedRMSNorm` (TrainerConfig.fused_norms);
     `share_prompts`: rows sharing a prompt compute it once (TrainerConfig.share_prompts; logprobs.py);
     `roll_back`: a call that raises after an optimizer step puts the trainable parameters and the optimizer
-    state back as they were before the call (`_Before`): the served weights stay those of the last committed
+    state back as they were before the call (`CallStart`, rollback.py): the served weights stay those of the last committed
     step. A trainer rank passes False (a rank that fails stops every rank: the served model never loaded the
     update, and the ranks cannot train again)."""
 
@@ -204,7 +204,7 @@ class Trainer:
         self._fused = FusedLoraTraining.of(model) if fused_lora else None
         self._norms = FusedNormTraining.of(model) if fused_norms else None
         self.roll_back = roll_back
-        self._before: _Before | None = None  # the call's state before its first optimizer step
+        self._before: CallStart | None = None  # the call's state before its first optimizer step
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
         """GRPO: rows (with their advantages) → micro-batches → logprobs → loss → backward, then clip and
@@ -375,7 +375,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.parameters, limit)  # a DTensor when FSDP shards them
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if self.roll_back and self._before is None:  # (the call's first optimizer step)
-            self._before = _Before.of(self)
+            self._before = CallStart.of(self)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -407,46 +407,6 @@ class Trainer:
                 f"{optimizer_file} is not a plain optimizer state (refused to unpickle it): {exc}"
             ) from None
         self.optimizer.load_state_dict(state)
-
-
-class _Before:
-    """The trainable parameters and the optimizer state before a call's first optimizer step, to put back if
-    the call fails after it. A LoRA adapter's copy is small and stays on its device; with full fine-tuning
-    the copy (the weights and Adam's two moments: three times the trained weights) goes to CPU memory, not
-    the GPU's, and is taken once per call."""
-
-    def __init__(self, parameters: list[torch.Tensor], state: dict[Any, dict[str, Any]]) -> None:
-        self.parameters = parameters
-        self.state = state
-
-    @classmethod
-    def of(cls, trainer: Trainer) -> _Before:
-        where = None if trainer.has_adapter else torch.device("cpu")
-
-        def copy(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return value.detach().to(where, copy=True)
-            return copy_module.deepcopy(value)
-
-        parameters = [copy(p) for p in trainer.parameters]
-        state = {p: {k: copy(v) for k, v in s.items()} for p, s in trainer.optimizer.state.items()}
-        return cls(parameters, state)
-
-    def restore(self, trainer: Trainer) -> None:
-        with torch.no_grad():
-            for p, saved in zip(trainer.parameters, self.parameters, strict=True):
-                p.copy_(saved)
-        # (a parameter's first step adds its state: the state before the call may have none)
-        current = trainer.optimizer.state
-        restored = {
-            p: {
-                k: (v.to(current[p][k].device) if isinstance(v, torch.Tensor) and k in current[p] else v)
-                for k, v in s.items()
-            }
-            for p, s in self.state.items()
-        }
-        current.clear()
-        current.update(restored)
 
 
 def load_adapter(model: Any, directory: str) -> None:

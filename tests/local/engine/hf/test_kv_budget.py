@@ -71,7 +71,7 @@ async def test_a_long_request_runs_without_short_ones_padded_to_it(hf_model):
 def test_the_config_estimates_the_cached_token_bytes(hf_model):
     from fakes import instrumented_model
 
-    from artrl.local.engine.hf.running_batch import cached_token_bytes
+    from artrl.local.engine.hf.kv_cache import cached_token_bytes
 
     config = hf_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -14,6 +14,8 @@ timeline (the attention mask hides the padding).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -238,3 +240,25 @@ class BatchCache:
         """Only the rows `kept` (ascending indices), without the first `trim` columns (padding)."""
         for layer in self.layers:
             layer.keep_rows(kept, trim)
+
+
+def cached_token_bytes(model: Any) -> int | None:
+    """Bytes of keys and values one token takes in the KV cache, across layers (2 × layers × kv heads ×
+    head_dim × dtype size), from the model's config; None where it says not."""
+    for module in model.modules():  # (a PEFT or other wrapper holds the transformers model)
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "get_text_config"):
+            continue
+        text = config.get_text_config()
+        layers = getattr(text, "num_hidden_layers", None)
+        heads = getattr(text, "num_attention_heads", None)
+        if not layers or not heads:
+            continue
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        try:  # the hidden states' dtype: the embeddings' (a quantised model's linear weights are not)
+            size = module.get_input_embeddings().weight.element_size()
+        except Exception:
+            size = next(p for p in model.parameters() if p.is_floating_point()).element_size()
+        return 2 * layers * kv_heads * head_dim * size
+    return None

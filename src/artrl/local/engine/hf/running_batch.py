@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from artrl.local.engine.contract import SequenceStream
 from artrl.local.engine.hf.fused_decode import FusedDecode
-from artrl.local.engine.hf.kv_cache import BatchCache, left_pad
+from artrl.local.engine.hf.kv_cache import BatchCache, cached_token_bytes, left_pad
 from artrl.local.engine.hf.prefix_cache import (
     CachedPrefix,
     PrefixCache,
@@ -86,28 +86,6 @@ def fail_sequences(sequences: list[RunningSequence], message: str, reason: str =
         if not seq.done:
             seq.done = True
             seq.stream.end(reason, message)  # type: ignore[arg-type]
-
-
-def cached_token_bytes(model: Any) -> int | None:
-    """Bytes of keys and values one token takes in the KV cache, across layers (2 × layers × kv heads ×
-    head_dim × dtype size), from the model's config; None where it says not."""
-    for module in model.modules():  # (a PEFT or other wrapper holds the transformers model)
-        config = getattr(module, "config", None)
-        if config is None or not hasattr(config, "get_text_config"):
-            continue
-        text = config.get_text_config()
-        layers = getattr(text, "num_hidden_layers", None)
-        heads = getattr(text, "num_attention_heads", None)
-        if not layers or not heads:
-            continue
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        try:  # the hidden states' dtype: the embeddings' (a quantised model's linear weights are not)
-            size = module.get_input_embeddings().weight.element_size()
-        except Exception:
-            size = next(p for p in model.parameters() if p.is_floating_point()).element_size()
-        return 2 * layers * kv_heads * head_dim * size
-    return None
 
 
 class RunningBatch:
