@@ -188,13 +188,13 @@ class ServiceProcess:
             self._dead = message
             calls, self._calls = list(self._calls.values()), {}
             exchanges, self._exchanges = list(self._exchanges.values()), {}
+        for exchange in exchanges:  # (first: a call's caller, woken below, may look at its requests)
+            with contextlib.suppress(Exception):  # (one caller's failure must not keep the others waiting)
+                exchange.abandon(message)
         for future in calls:
             if not future.done():
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     future.set_exception(ServiceProcessError(message))
-        for exchange in exchanges:
-            with contextlib.suppress(Exception):  # (one caller's failure must not keep the others waiting)
-                exchange.abandon(message)
 
     async def call(self, method: str, *args: Any) -> Any:
         """`method(*args)` of the child's backend; its result, or the exception it raised."""
