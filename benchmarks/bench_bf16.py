@@ -58,9 +58,10 @@ def measure_round(
     from artrl.local.engine.contract import SamplingParams
     from artrl.local.engine.hf.engine import HFEngine
     from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.batch import TrainingBatch
     from artrl.local.train.rows import Row
-    from artrl.local.train.trainer import Trainer, attach_adapter
+    from artrl.local.train.trainer import Trainer
 
     prompt = [(7 * i) % 1000 + 10 for i in range(40)]
     engines = {}
@@ -152,9 +153,10 @@ def agent_length_steps(folder: Path, args: argparse.Namespace) -> dict[tuple[str
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
     from artrl.local.kernels.cpu_attention import NAME
     from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.batch import TrainingBatch
     from artrl.local.train.rows import Row
-    from artrl.local.train.trainer import Trainer, attach_adapter
+    from artrl.local.train.trainer import Trainer
 
     draw = random.Random(0)
     prompt = [draw.randrange(10, 1000) for _ in range(args.long_prompt)]

@@ -52,9 +52,10 @@ def rss_mib() -> float:
 def worker(folder: str, dtype: str, checkpointing: bool, args: argparse.Namespace) -> dict[str, Any]:
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
     from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.batch import TrainingBatch
     from artrl.local.train.rows import Row
-    from artrl.local.train.trainer import Trainer, attach_adapter
+    from artrl.local.train.trainer import Trainer
 
     model, _ = load_model_and_tokenizer(folder, EngineConfig(dtype=dtype))
     model = attach_adapter(model, LoraConfig())

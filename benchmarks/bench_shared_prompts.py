@@ -54,8 +54,9 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any
     from artrl.config import EngineConfig, LoraConfig, TrainConfig
     from artrl.local.kernels.cpu_attention import use_cpu_attention
     from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.batch import TrainingBatch
-    from artrl.local.train.trainer import Trainer, attach_adapter
+    from artrl.local.train.trainer import Trainer
 
     model, tokenizer = load_model_and_tokenizer(str(folder), EngineConfig(dtype=dtype))
     model = attach_adapter(model, LoraConfig())

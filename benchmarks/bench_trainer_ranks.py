@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     import artrl
     from artrl.config import EngineConfig, TrainerConfig
     from artrl.local.models.loading import load_model_and_tokenizer
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.ranks.trainer_ranks import TrainerRanks
-    from artrl.local.train.trainer import Trainer, attach_adapter
+    from artrl.local.train.trainer import Trainer
 
     folder = ensure_model(args.preset, args.model_cache)
     lora = artrl.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if args.lora_rank else None

@@ -97,7 +97,8 @@ def test_an_optimizer_state_is_loaded_as_data_only(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from artrl.config import LoraConfig
-    from artrl.local.train.trainer import Trainer, attach_adapter
+    from artrl.local.train.adapters import attach_adapter
+    from artrl.local.train.trainer import Trainer
 
     trainer = Trainer(attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig()), 0)
     trainer.save(str(tmp_path))

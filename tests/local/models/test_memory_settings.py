@@ -14,8 +14,9 @@ import torch
 import artrl
 from artrl.config import EngineConfig, LoadConfig, SFTConfig, TrainConfig
 from artrl.local.models.loading import load_model_and_tokenizer
+from artrl.local.train.adapters import attach_adapter
 from artrl.local.train.rows import Row
-from artrl.local.train.trainer import Trainer, attach_adapter
+from artrl.local.train.trainer import Trainer
 
 
 def _rows() -> list[Row]:

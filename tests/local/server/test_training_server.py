@@ -228,7 +228,8 @@ async def test_a_tenant_with_too_many_calls_waiting_is_refused(tmp_path):
 
 
 async def test_every_tenants_model_trains_over_one_copy_of_the_base(tiny_model_dir, tmp_path):
-    """Three tenants' models: each its own LoRA, trainer and engine, over the same base tensors."""
+    """Three tenants' models: one model object holding each its own LoRA adapter, one engine for all, and
+    each its own trainer over its own adapter's parameters only."""
     from artrl.config import EngineConfig, ServerConfig
     from artrl.local.server.hosted import HostedModels
 
@@ -236,21 +237,39 @@ async def test_every_tenants_model_trains_over_one_copy_of_the_base(tiny_model_d
     try:
         spec = {"name": "m", "project": "p", "base_model": str(tiny_model_dir)}
         models = [(t, await hosted.register(t, spec)) for t in ("a", "b", "c")]
-        trees = [hosted.find(t, m.name)[0].service(m).model for t, m in models]
-        base = [n for n, _ in trees[0].named_parameters() if "lora_" not in n]
-        for tree in trees:
-            assert hosted.base.parameters_shared_with(tree) == len(base)  # not one base tensor copied
-        adapters = [{p.data_ptr() for n, p in tree.named_parameters() if "lora_" in n} for tree in trees]
-        assert all(adapters) and not adapters[0] & adapters[1] and not adapters[1] & adapters[2]
+        services = [hosted.find(t, m.name)[0].service(m) for t, m in models]
+        shared = hosted.shared.model
+        assert all(s.model is shared and s.engine.engine is hosted.shared.engine for s in services)
+        assert len(shared.peft_config) == 3
+        base = [n for n, _ in shared.named_parameters() if "lora_" not in n]
+        assert len(base) == 24  # the tiny model's own parameters, once
+        trained = [{id(p) for p in s.trainer.parameters} for s in services]
+        lora = {id(p) for n, p in shared.named_parameters() if "lora_" in n}
+        assert all(trained) and set.union(*trained) == lora
+        assert sum(len(t) for t in trained) == len(lora)  # (disjoint: each trains its own adapter only)
         with pytest.raises(ValueError, match="full fine-tuning"):
             await hosted.register("a", {**spec, "name": "full", "lora": None})
     finally:
         await hosted.close()
 
 
-async def test_a_tenants_step_changes_only_its_own_model(tiny_model_dir, tmp_path):
-    """Greedy answers of three tenants' models on one base: one trains a step (a large learning rate), its
-    answer moves; the other two answer token for token as before."""
+def greedy_reference(base_dir: Path, checkpoint: Path | None, prompt_ids: list[int], n: int) -> list[int]:
+    """Greedy tokens of the base model with `checkpoint`'s adapter alone (None: the base model)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    if checkpoint is not None:
+        model = PeftModel.from_pretrained(model, str(checkpoint))
+    out = model.eval().generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+async def test_each_tenants_served_model_changes_only_with_its_own_steps(tiny_model_dir, tmp_path):
+    """Greedy answers of three tenants' models on one base: 'a' trains a step while 'b' and 'c' sample, then
+    'b' trains one. Each model's answer is, token for token, the answer of the base with its own latest
+    checkpoint alone (none yet: the base's), whatever the others did."""
     from artrl.local.engine.vllm.server import free_port
 
     keys = tmp_path / "keys"
@@ -264,18 +283,36 @@ async def test_a_tenants_step_changes_only_its_own_model(tiny_model_dir, tmp_pat
             await model.register(artrl.RemoteBackend(url, api_key=f"{tenant}-key-0123456789abcdef"))
             models.append(model)
 
-        async def greedy(model: artrl.TrainableModel) -> list[int]:
+        async def greedy(model: artrl.TrainableModel) -> tuple[list[int], list[int]]:
             completion = await model.openai_client().chat.completions.create(
                 model=model.name, messages=PROMPT, max_tokens=16, temperature=0.0
             )
-            return completion.choices[0].model_extra["token_ids"]
+            extra = completion.choices[0].model_extra
+            return extra["prompt_token_ids"], extra["token_ids"]
 
-        before = [await greedy(m) for m in models]
+        async def matches_its_checkpoint(i: int, step: int) -> list[int]:
+            prompt, answer = await greedy(models[i])
+            checkpoint = None
+            if step:
+                checkpoint = tmp_path / "runs" / "abc"[i] / "abc"[i] / "agent" / "checkpoints" / f"{step:04d}"
+            reference = await asyncio.to_thread(
+                greedy_reference, tiny_model_dir, checkpoint, prompt, len(answer)
+            )
+            assert answer == reference, f"model {'abc'[i]} at step {step}"
+            return answer
+
+        before = [await matches_its_checkpoint(i, 0) for i in range(3)]
         assert before[0] == before[1] == before[2]  # (fresh adapters: the base's own answer)
-        await models[0].train(await scored_groups(models[0], 4), artrl.TrainConfig(learning_rate=5e-2))
-        after = [await greedy(m) for m in models]
-        assert after[1:] == before[1:]
-        assert after[0] != before[0]
+        groups = await scored_groups(models[0], 4)
+        sampling = [greedy(models[i]) for i in (1, 2) for _ in range(3)]
+        await asyncio.gather(models[0].train(groups, artrl.TrainConfig(learning_rate=5e-2)), *sampling)
+        after_a = await matches_its_checkpoint(0, 1)
+        assert after_a != before[0]
+        assert [await matches_its_checkpoint(i, 0) for i in (1, 2)] == before[1:]
+        await models[1].train(await scored_groups(models[1], 4), artrl.TrainConfig(learning_rate=5e-2))
+        assert await matches_its_checkpoint(1, 1) != before[1]
+        assert await matches_its_checkpoint(0, 1) == after_a
+        assert await matches_its_checkpoint(2, 0) == before[2]
     finally:
         process.terminate()
         process.wait(60)

@@ -8,11 +8,12 @@ import torch
 from tolerances import assert_same_adamw_update
 
 import artrl
+from artrl.local.train.adapters import attach_adapter
 from artrl.local.train.fused_lora import FusedLoraLinear, FusedLoraTraining, fusable
 from artrl.local.train.logprobs import token_logprobs
 from artrl.local.train.pack import collate
 from artrl.local.train.rows import Row
-from artrl.local.train.trainer import Trainer, attach_adapter
+from artrl.local.train.trainer import Trainer
 
 
 def lora_model(folder, dtype: torch.dtype = torch.float32, lora: artrl.LoraConfig | None = None):

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import artrl
+from artrl.local.train.adapters import attach_adapter
 from artrl.local.train.fused_norm import FusedNormTraining, FusedRMSNorm, fusable
 from artrl.local.train.logprobs import token_logprobs
 from artrl.local.train.pack import collate
 from artrl.local.train.rows import Row
-from artrl.local.train.trainer import Trainer, attach_adapter
+from artrl.local.train.trainer import Trainer
 
 
 def qwen3_norm(hidden: int, dtype: torch.dtype) -> torch.nn.Module:

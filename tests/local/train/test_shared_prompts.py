@@ -11,11 +11,12 @@ import torch
 from tolerances import assert_same_adamw_update
 
 import artrl
+from artrl.local.train.adapters import attach_adapter
 from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.logprobs import shares_prefixes, token_logprobs
 from artrl.local.train.pack import collate, pack, pack_by_prompt, shared_prompt
 from artrl.local.train.rows import Row
-from artrl.local.train.trainer import Trainer, attach_adapter
+from artrl.local.train.trainer import Trainer
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
 SHAPE |= dict(num_key_value_heads=2, head_dim=32, max_position_embeddings=512)

@@ -209,10 +209,10 @@ def test_chunked_logprobs_equal_full_logits(tiny_model_dir):
     """The lm_head runs in chunks under checkpointing: values and gradients equal the plain computation."""
     from transformers import AutoModelForCausalLM
 
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.logprobs import token_logprobs
     from artrl.local.train.pack import collate
     from artrl.local.train.rows import Row
-    from artrl.local.train.trainer import attach_adapter
 
     model = attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), artrl.LoraConfig())
     torch.manual_seed(0)
@@ -248,10 +248,10 @@ def test_a_bf16_base_trains_its_fp32_adapter_under_autocast(tiny_model_dir):
     logprobs stay fp32 and within bf16 rounding of the products in fp32, and chunks change nothing."""
     from transformers import AutoModelForCausalLM
 
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.logprobs import token_logprobs
     from artrl.local.train.pack import collate
     from artrl.local.train.rows import Row
-    from artrl.local.train.trainer import attach_adapter
 
     def build(dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
@@ -392,11 +392,12 @@ def test_a_model_that_does_more_after_its_head_trains_on_its_own_forwards_logits
     from the model's whole forward; the recorded trainer logprobs are then the model's own."""
     import transformers as tf
 
+    from artrl.local.train.adapters import attach_adapter
     from artrl.local.train.batch import TrainingBatch
     from artrl.local.train.logprobs import head_is_the_models
     from artrl.local.train.pack import collate
     from artrl.local.train.rows import Row
-    from artrl.local.train.trainer import Trainer, attach_adapter
+    from artrl.local.train.trainer import Trainer
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
     shape |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)

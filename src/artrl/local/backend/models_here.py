@@ -82,11 +82,13 @@ class ModelsHere:
         engine: EngineConfig,
         gateway: GatewayConfig,
         trainer: TrainerConfig,
-        load: Callable[..., tuple[Any, Any]] | None = None,
+        start: Callable[..., LocalService] | None = None,
     ) -> None:
         self.path = path
         self.engine_config, self.gateway_config, self.trainer_config = engine, gateway, trainer
-        self._load = load  # (None: each model loads its weights; a training server's: SharedBase.load)
+        # what starts a model's service, with LocalService.start's arguments (None: that; a training server:
+        # its adapter on the server's shared model)
+        self._start_service = start
         self._services: dict[tuple[str, str], LocalService] = {}
         self._train_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._trackers: dict[tuple[str, str], Trackers] = {}
@@ -162,7 +164,7 @@ class ModelsHere:
         step = latest_step(directory)
         repair_history(directory)
         service = await asyncio.to_thread(
-            LocalService.start,
+            self._start_service or LocalService.start,
             model.name,
             model.base_model,
             self.engine_config,
@@ -173,7 +175,6 @@ class ModelsHere:
             model.chat_format,
             True,
             self.trainer_config,
-            *((self._load,) if self._load is not None else ()),
         )
         return service, spec
 

@@ -10,12 +10,15 @@ import json
 import re
 import secrets
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from artrl.config import EngineConfig, GatewayConfig, ServerConfig, TrainerConfig
 from artrl.local.backend.models_here import ModelsHere
 from artrl.local.models.shared_base import SharedBase
+from artrl.local.server.shared_model import SharedModel
+from artrl.local.service.service import LocalService
 from artrl.model import TrainableModel
 from artrl.storage import atomic_write_json
 
@@ -39,7 +42,10 @@ class HostedModels:
         if engine.merge_lora == "auto":
             engine = engine.model_copy(update={"merge_lora": "never"})
         self.config, self.engine, self.trainer = config, engine, trainer or TrainerConfig()
-        self.base = SharedBase(config.base_model)  # the base weights, once for every tenant's models
+        # the base weights, once for every tenant's models: on the embedded engine one model holding every
+        # adapter, one engine batching them all; next to vLLM, model objects sharing the base tensors
+        self.shared = SharedModel(config.base_model, engine) if engine.kind == "hf" else None
+        self.base = SharedBase(config.base_model)
         # each model's own gateway answers only the server (loopback, and this key)
         self.gateway = GatewayConfig(api_key=secrets.token_urlsafe(32))
         self._here: dict[str, ModelsHere] = {}
@@ -98,7 +104,12 @@ class HostedModels:
             here = self._here.get(tenant)
             if here is None:
                 path = f"{self.config.path}/{tenant}"
-                here = ModelsHere(path, self.engine, self.gateway, self.trainer, self.base.load)
+                start = (
+                    self.shared.start
+                    if self.shared is not None
+                    else partial(LocalService.start, load=self.base.load)
+                )
+                here = ModelsHere(path, self.engine, self.gateway, self.trainer, start)
                 self._here[tenant] = here
             await here.register(model)
             models[model.name] = model
@@ -127,8 +138,12 @@ class HostedModels:
             self._queued[tenant] -= 1
 
     async def close(self) -> None:
-        for here in self._here.values():
-            await here.close()
+        try:
+            for here in self._here.values():
+                await here.close()
+        finally:
+            if self.shared is not None:
+                await self.shared.close()
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")

@@ -28,8 +28,9 @@ from artrl.local.models.loading import (
     pick_device,
     pick_dtype,
 )
+from artrl.local.train.adapters import attach_adapter, load_adapter, save_weights
 from artrl.local.train.ranks.trainer_ranks import TrainerRanks
-from artrl.local.train.trainer import Trainer, attach_adapter, load_adapter
+from artrl.local.train.trainer import Trainer
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class LocalService:
         """The current weights as a Hugging Face folder with the tokenizer."""
 
         def write() -> None:
-            self.model.save_pretrained(directory)
+            save_weights(self.model, directory)
             self.tokenizer.save_pretrained(directory)
 
         await self.run_exclusive(write, changes_weights=False)

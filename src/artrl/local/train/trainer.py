@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from artrl.config import LoraConfig, SFTConfig, TrainConfig
+from artrl.config import SFTConfig, TrainConfig
+from artrl.local.train.adapters import load_adapter, save_weights
 from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.fused_lora import FusedLoraTraining
 from artrl.local.train.fused_norm import FusedNormTraining
@@ -27,25 +28,6 @@ from artrl.local.train.rollback import CallStart
 from artrl.local.train.rows import NO_LOGPROB, Row
 
 log = logging.getLogger(__name__)
-
-
-def attach_adapter(model: Any, lora: LoraConfig | None) -> Any:
-    """Wrap `model` with a fresh LoRA adapter (None = full fine-tuning: every weight trainable)."""
-    if lora is None:
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
-    config = PeftLoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
 
 
 def _record_logprobs(
@@ -383,13 +365,20 @@ class Trainer:
     # ---------------------------------------------------------------- persistence
     def save(self, directory: str) -> None:
         """Adapter (PEFT format) or full weights, plus the optimizer state, into `directory`."""
-        self.model.save_pretrained(directory)
+        save_weights(self.model, directory)
         torch.save(self.optimizer.state_dict(), f"{directory}/optimizer.pt")
 
     async def run(self, call: Callable[[Trainer], dict[str, float]], engine: Any) -> dict[str, float]:
         """A training call on the served weights themselves: where nothing else touches them (the engine
-        decides where: the embedded engine's thread, between two of its steps)."""
-        return await engine.run_exclusive(lambda: call(self))
+        decides where: the embedded engine's thread, between two of its steps). Its metrics gain
+        `queue_seconds`: how long it waited for its turn there."""
+        queued = time.perf_counter()
+
+        def turn() -> dict[str, float]:
+            waited = time.perf_counter() - queued
+            return {**call(self), "queue_seconds": waited}
+
+        return await engine.run_exclusive(turn)
 
     def close(self) -> None:
         """Nothing to stop: this trainer runs in this process."""
@@ -407,15 +396,3 @@ class Trainer:
                 f"{optimizer_file} is not a plain optimizer state (refused to unpickle it): {exc}"
             ) from None
         self.optimizer.load_state_dict(state)
-
-
-def load_adapter(model: Any, directory: str) -> None:
-    """The adapter weights of checkpoint `directory` into `model` (a PeftModel with the same LoRA config)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    device = next(model.parameters()).device
-    state = load_file(f"{directory}/adapter_model.safetensors", device=str(device))
-    result = set_peft_model_state_dict(model, state)
-    if getattr(result, "unexpected_keys", None):
-        raise ValueError(f"checkpoint {directory} does not fit this adapter: {result.unexpected_keys}")

@@ -52,7 +52,7 @@ def test_entries_that_share_memory_count_it_once_and_free_it_with_the_last():
     rows = [(1, 10), (2, 6), (3, 2)]
     cache.put_shared(
         [
-            ([r] * n, [block[i : i + 1, :, 10 - n :]], [block[i : i + 1, :, 10 - n :]])
+            ([r] * n, [block[i : i + 1, :, 10 - n :]], [block[i : i + 1, :, 10 - n :]], None)
             for i, (r, n) in enumerate(rows)
         ],
         SharedStates(3 * entry),
@@ -85,7 +85,7 @@ def test_the_block_index_finds_the_same_match_as_a_scan_of_every_entry():
             cache.put(ids, *states(len(ids)))
             kept.append(ids)
             ids = ids + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))]
-    alive = [ids for ids in kept if tuple(ids) in cache._entries]
+    alive = [ids for ids in kept if (None, tuple(ids)) in cache._entries]
     assert 0 < len(alive) < len(kept)  # the budget evicted some
     for prompt in [*kept[-40:], [*system[:35], 7, 7], [*system, 999, 1, 2], [3] * 50]:
         prompt = [*prompt, 5]

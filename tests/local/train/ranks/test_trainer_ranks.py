@@ -23,6 +23,7 @@ import artrl
 import artrl.storage
 from artrl.config import EngineConfig, TrainerConfig
 from artrl.local.models.loading import load_model_and_tokenizer
+from artrl.local.train.adapters import attach_adapter, load_adapter
 from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.logprobs import token_logprobs
 from artrl.local.train.ranks.row_shards import rank_micro_batches, shard_rows
@@ -35,7 +36,7 @@ from artrl.local.train.ranks.trainer_ranks import (
     rank_devices,
 )
 from artrl.local.train.rows import Row
-from artrl.local.train.trainer import Trainer, attach_adapter, idle_row, load_adapter
+from artrl.local.train.trainer import Trainer, idle_row
 
 LR = 1e-2
 MICRO_TOKENS = 64  # every row a micro-batch of its own: 3 on one rank, 2 on the other (an idle pass)

@@ -6,6 +6,11 @@ then (2) decodes one token for every running sequence (the steps: `running_batch
 for an unrelated long one: it joins the running batch at the next token step. The same model object is what the trainer updates,
 and training runs *on this thread* too (`call`): between two token steps, with one OpenMP thread pool and
 one allocator arena for everything that computes, so generation and training never contend for the model.
+
+With `adapters=True` the model is a PEFT model holding several LoRA adapters by name (a training server's
+models on one base copy): each request names its adapter, rows of different adapters share a batch (PEFT's
+mixed-batch forward), and the jobs of different adapters (their training steps) take turns, one between
+two token steps, the adapter that waited longest first.
 """
 
 from __future__ import annotations
@@ -43,12 +48,13 @@ class _Job:
     fn: Callable[[], Any]
     future: Future
     changes_weights: bool = True  # False: the prefix cache and the fused weights stay valid after it
+    adapter: str | None = None  # whose weights it changes (None: the model's)
 
 
 class HFEngine:
     """Continuous-batching generation over a transformers causal LM (optionally wrapped by PEFT)."""
 
-    def __init__(self, model, *, max_context: int, config: EngineConfig) -> None:
+    def __init__(self, model, *, max_context: int, config: EngineConfig, adapters: bool = False) -> None:
         self._idle_timeout_s = config.stream_idle_timeout_s
         self._thread_idle_s = config.engine_thread_idle_s
         # (generation's torch threads, training's), set on the engine thread whatever a new thread starts with:
@@ -62,7 +68,11 @@ class HFEngine:
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes, config.prefix_cache_min_tokens)
         self._closed = False
         self._device = next(model.parameters()).device
-        merge = config.merge_lora == "always" or (config.merge_lora == "auto" and self._device.type == "cpu")
+        self.adapters = adapters
+        self._turns: dict[str | None, int] = {}  # adapter -> when its last job ran (adapters=True)
+        self._job_count = 0
+        auto = config.merge_lora == "auto" and self._device.type == "cpu"
+        merge = not adapters and (config.merge_lora == "always" or auto)
         self._lora = MergedLora.of(model) if merge else None  # generation with W + s·B·A (see merged_lora)
         # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps forward
@@ -76,8 +86,10 @@ class HFEngine:
             prefix_cache=self.prefix_cache,
             cache_arg=cache_arg,
         )
-        self._fused = FusedDecode.of(model) if config.fused_decode else None  # (None: not CPU, other layout)
+        # (None: not CPU, another layout, or several adapters: their rows need the module tree's forward)
+        self._fused = FusedDecode.of(model) if config.fused_decode and not adapters else None
         self._steps.fused = self._fused
+        self._steps.adapters = adapters
         self._worker = IdleEndingThread(self._run, "artrl-engine")
         self._worker.wake()
 
@@ -85,26 +97,37 @@ class HFEngine:
     def max_context(self) -> int:
         return self._max_context
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[SequenceStream]:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, adapter: str | None = None
+    ) -> list[SequenceStream]:
+        """n continuations of prompt_ids (from `adapter`'s weights, adapters=True)."""
         if self._closed:
             raise RuntimeError("engine is closed")
+        if adapter is not None and not self.adapters:
+            raise ValueError("this engine serves one model: its requests name no adapter")
+        if adapter is not None and adapter not in self.model.peft_config:  # (a bad one would fail the batch)
+            raise ValueError(f"the engine's model has no adapter {adapter!r}")
         loop = asyncio.get_running_loop()
         sequences = []
         for i in range(n):
             generator = None
             if params.seed is not None:
                 generator = random.Random((params.seed + i) % 2**64)  # (sampling.uniforms draws from it)
-            sequences.append(RunningSequence(SequenceStream(loop, self._idle_timeout_s), params, generator))
-        self._incoming.put(Request(list(prompt_ids), sequences))
+            stream = SequenceStream(loop, self._idle_timeout_s)
+            sequences.append(RunningSequence(stream, params, generator, adapter=adapter))
+        self._incoming.put(Request(list(prompt_ids), sequences, adapter))
         self._worker.wake()
         return [s.stream for s in sequences]
 
-    def call(self, fn: Callable[[], Any], *, changes_weights: bool = True) -> Future:
+    def call(
+        self, fn: Callable[[], Any], *, changes_weights: bool = True, adapter: str | None = None
+    ) -> Future:
         """Run fn on the engine thread between two token steps (e.g. a training step); returns its future.
-        changes_weights=False (a checkpoint write): cached prefixes and fused weights are kept."""
+        changes_weights=False (a checkpoint write): cached prefixes and fused weights are kept; `adapter`:
+        fn changes that adapter's weights only (adapters=True)."""
         if self._closed:
             raise RuntimeError("engine is closed")
-        job = _Job(fn, Future(), changes_weights)
+        job = _Job(fn, Future(), changes_weights, adapter)
         self._incoming.put(job)
         self._worker.wake()
         return job.future
@@ -136,7 +159,7 @@ class HFEngine:
         while not self._closed:
             try:
                 steps = self._steps
-                if self._collect_requests(block=not steps.batch.sequences) or steps.busy:
+                if self._collect_requests(block=not steps.batch.sequences and not self._jobs) or steps.busy:
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since >= self._thread_idle_s and self._worker.end_unless(
                     lambda: not self._incoming.empty() or self._steps.busy or bool(self._jobs)
@@ -193,12 +216,49 @@ class HFEngine:
             )
             self._fused = self._steps.fused = None
 
+    def forget_adapter(self, adapter: str, remove: Callable[[], Any]) -> Future:
+        """End `adapter`'s requests (waiting and running), drop its cached prefixes, then `remove()` it from
+        the model, on the engine thread (adapters=True)."""
+
+        def forget() -> Any:
+            for request in self._steps.pending:
+                if request.adapter == adapter:
+                    fail_sequences(request.sequences, f"the model of adapter {adapter!r} was closed", "abort")
+            self._steps.pending = [r for r in self._steps.pending if r.adapter != adapter]
+            for sequence in self._steps.batch.sequences:
+                if sequence.adapter == adapter:
+                    sequence.finish("abort")
+            with torch.inference_mode():  # (the batch's cache tensors are inference tensors)
+                self._steps.drop_finished()
+            self.prefix_cache.clear_adapter(adapter)
+            return remove()
+
+        return self.call(forget, changes_weights=False, adapter=adapter)
+
+    def _next_jobs(self) -> list[_Job]:
+        """The jobs to run before the next token step: all of them, or (adapters=True) the one of the adapter
+        whose last job ran longest ago (the earliest of its jobs), so that no model's training calls wait
+        behind another's queue and generation goes on between them."""
+        if not self.adapters or len(self._jobs) <= 1:
+            jobs, self._jobs = self._jobs, []
+            return jobs
+        job = min(self._jobs, key=lambda j: self._turns.get(j.adapter, -1))  # (min: the first of equals)
+        self._jobs.remove(job)
+        return [job]
+
     def _run_jobs(self) -> None:
-        jobs, self._jobs = self._jobs, []
+        jobs = self._next_jobs()
         if not jobs:
             return
-        if any(job.changes_weights for job in jobs):
-            self.prefix_cache.clear()  # cached keys and values are stale
+        for job in jobs:
+            self._job_count += 1
+            self._turns[job.adapter] = self._job_count
+            if not job.changes_weights:
+                continue
+            if job.adapter is None:
+                self.prefix_cache.clear()  # cached keys and values are stale
+            else:
+                self.prefix_cache.clear_adapter(job.adapter)
             if self._fused is not None:
                 self._fused.stale()
         if self._lora is not None:

@@ -4,7 +4,9 @@ An agent's next call is its previous prompt + what it sampled + a tool result; t
 those ids (token-exact continuation), so the engine can skip re-computing the shared part: the new request
 prefills only its suffix on top of the cached keys and values. The same holds for another rollout of the
 same scenario (same system prompt and tools). Entries are dropped least-recently-used beyond a byte budget,
-and all of them whenever the weights change (a training step).
+and all of them whenever the weights change (a training step). An engine serving several adapters at once
+(a training server's models) keeps each adapter's entries apart: a prompt reuses only keys and values that
+its own adapter computed, and one adapter's training step drops only its entries.
 
 Lookup is by hashed blocks of tokens (as vLLM's prefix caching): each entry is indexed under the chained
 hash of every full block of its ids, so a prompt's longest cached start is found by walking its own block
@@ -19,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+Key = tuple[str | None, tuple[int, ...]]  # an entry's adapter and ids
 
 
 @dataclass
@@ -37,6 +41,7 @@ class CachedPrefix:
     values: list[torch.Tensor]  # per layer (1, H, P, D)
     hashes: list[int] = field(default_factory=list)  # its block hashes, once it is in a cache's index
     shared: SharedStates | None = None  # None: the tensors are its own
+    adapter: str | None = None  # the adapter that computed them (None: the model as it is)
 
     def __post_init__(self) -> None:
         self.tensor = torch.tensor(self.ids, dtype=torch.long)  # (P,) for comparing with prompts
@@ -44,6 +49,10 @@ class CachedPrefix:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def key(self) -> Key:
+        return (self.adapter, self.ids)
 
 
 @dataclass
@@ -62,9 +71,10 @@ class PrefixStats:
 BLOCK_TOKENS = 16  # tokens per hashed block (at most min_tokens)
 
 
-def block_hashes(ids: tuple[int, ...] | list[int], block: int) -> Iterator[int]:
-    """The chained hash of each full block of ids, lazily: the i-th stands for ids[: (i + 1) * block]."""
-    h = 0
+def block_hashes(ids: tuple[int, ...] | list[int], block: int, adapter: str | None = None) -> Iterator[int]:
+    """The chained hash of each full block of ids, lazily: the i-th stands for ids[: (i + 1) * block] (as
+    computed by `adapter`: another adapter's chain starts elsewhere)."""
+    h = 0 if adapter is None else hash(adapter)
     for start in range(0, len(ids) - block + 1, block):
         h = hash((h, tuple(ids[start : start + block])))
         yield h
@@ -75,8 +85,8 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
         self.block = max(1, min(BLOCK_TOKENS, min_tokens))
-        self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
-        self._index: dict[int, dict[tuple[int, ...], None]] = {}  # block hash -> entries holding that start
+        self._entries: OrderedDict[Key, CachedPrefix] = OrderedDict()  # by (adapter, ids)
+        self._index: dict[int, dict[Key, None]] = {}  # block hash -> entries holding that start
         self._bytes = 0
         self.stats = PrefixStats()
 
@@ -87,37 +97,44 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    def put(
+        self, ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], adapter: str | None = None
+    ) -> None:
         """Hold the keys and values (per layer (1, H, len(ids), D), owned by the cache from now on)."""
-        self.put_shared([(ids, keys, values)], None)
+        self.put_shared([(ids, keys, values, adapter)], None)
 
     def put_shared(
         self,
-        entries: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor]]],
+        entries: list[tuple[list[int], list[torch.Tensor], list[torch.Tensor], str | None]],
         shared: SharedStates | None,
     ) -> None:
-        """Hold several entries (ids, per-layer (1, H, len(ids), D) keys and values); with `shared`, their
-        tensors are views of that memory, counted once (and freed with the last of them)."""
+        """Hold several entries (ids, per-layer (1, H, len(ids), D) keys and values, the adapter that computed
+        them); with `shared`, their tensors are views of that memory, counted once (and freed with the last
+        of them)."""
         entries = [e for e in entries if len(e[0]) >= self.min_tokens]
         if not entries:
             return
-        made = [CachedPrefix(tuple(ids), keys, values, shared=shared) for ids, keys, values in entries]
+        made = [
+            CachedPrefix(tuple(ids), keys, values, shared=shared, adapter=adapter)
+            for ids, keys, values, adapter in entries
+        ]
         size = shared.nbytes if shared is not None else sum(e.nbytes for e in made)
         if size > self.max_bytes:
             return
         for entry in made:
-            if entry.ids in self._entries:
-                self._drop(entry.ids)
+            if entry.key in self._entries:
+                self._drop(entry.key)
         while self._entries and self._bytes + size > self.max_bytes:
             self._drop(next(iter(self._entries)))
         for entry in made:
-            if entry.ids in self._entries:  # (the same ids twice in one batch: the first one stays)
+            if entry.key in self._entries:  # (the same ids twice in one batch: the first one stays)
                 continue
-            self._entries[entry.ids] = entry
+            self._entries[entry.key] = entry
             self._bytes += self._charge(entry)
-            entry.hashes = list(block_hashes(entry.ids, self.block))  # (kept: dropping it needs them again)
+            # (kept: dropping it needs them again)
+            entry.hashes = list(block_hashes(entry.ids, self.block, entry.adapter))
             for h in entry.hashes:
-                self._index.setdefault(h, {})[entry.ids] = None
+                self._index.setdefault(h, {})[entry.key] = None
 
     @staticmethod
     def _charge(entry: CachedPrefix) -> int:
@@ -127,8 +144,8 @@ class PrefixCache:
         entry.shared.holders += 1
         return entry.shared.nbytes if entry.shared.holders == 1 else 0
 
-    def _drop(self, ids: tuple[int, ...]) -> None:
-        entry = self._entries.pop(ids)
+    def _drop(self, key: Key) -> None:
+        entry = self._entries.pop(key)
         if entry.shared is None:
             self._bytes -= entry.nbytes
         else:
@@ -138,18 +155,18 @@ class PrefixCache:
         for h in entry.hashes:
             holders = self._index.get(h)
             if holders is not None:
-                holders.pop(ids, None)
+                holders.pop(key, None)
                 if not holders:
                     del self._index[h]
 
-    def longest(self, prompt: list[int]) -> PrefixMatch | None:
-        """The entry sharing the longest start with the prompt (at least min_tokens), leaving at least one
-        prompt token to prefill (its logits give the first sampled token)."""
+    def longest(self, prompt: list[int], adapter: str | None = None) -> PrefixMatch | None:
+        """The entry of `adapter` sharing the longest start with the prompt (at least min_tokens), leaving at
+        least one prompt token to prefill (its logits give the first sampled token)."""
         limit = len(prompt) - 1
         if limit < self.min_tokens or not self._entries:
             return None
-        candidates: dict[tuple[int, ...], None] = {}
-        for h in block_hashes(prompt[:limit], self.block):  # the deepest block shared with some entry
+        candidates: dict[Key, None] = {}
+        for h in block_hashes(prompt[:limit], self.block, adapter):  # the deepest block shared with an entry
             holders = self._index.get(h)
             if holders is None:
                 break
@@ -158,8 +175,10 @@ class PrefixCache:
             return None
         wanted = torch.tensor(prompt[:limit], dtype=torch.long)  # (limit,)
         best: PrefixMatch | None = None
-        for ids in candidates:  # (exact comparison: a hash collision shares nothing)
-            entry = self._entries[ids]
+        for key in candidates:  # (exact comparison: a hash collision shares nothing)
+            entry = self._entries[key]
+            if entry.adapter != adapter:
+                continue
             m = min(len(entry.ids), limit)
             if m < self.min_tokens or (best is not None and m <= best.length):
                 continue
@@ -170,8 +189,13 @@ class PrefixCache:
                 if shared == limit:  # (one group's rollouts: many entries hold all of it; any will do)
                     break
         if best is not None:
-            self._entries.move_to_end(best.entry.ids)
+            self._entries.move_to_end(best.entry.key)
         return best
+
+    def clear_adapter(self, adapter: str) -> None:
+        """Drop the entries that `adapter` computed (its weights changed, or it is gone)."""
+        for key in [k for k in self._entries if k[0] == adapter]:
+            self._drop(key)
 
     def clear(self) -> None:
         for entry in self._entries.values():

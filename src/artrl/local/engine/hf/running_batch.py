@@ -45,6 +45,9 @@ class RunningSequence:
     done: bool = False  # engine side: ended (stop, length or abort) and to be dropped from the batch
     tokens: list[int] = field(default_factory=list)  # prompt + sampled (for the prefix cache)
     reusable: bool = False  # ended by stop or length: its keys and values may serve a later prompt
+    adapter: str | None = (
+        None  # the LoRA adapter it samples from (an engine serving several; None: the model)
+    )
 
     def finish(self, reason) -> None:
         if not self.done:
@@ -57,6 +60,7 @@ class RunningSequence:
 class Request:
     prompt_ids: list[int]
     sequences: list[RunningSequence]
+    adapter: str | None = None  # (its sequences' adapter)
 
 
 @dataclass
@@ -71,13 +75,13 @@ class _Batch:
 def _one_row_per_prompt(requests: list[Request]) -> list[Request]:
     """Requests with the same prompt (a group's rollouts, sent one by one) joined into one: their prompt is
     prefilled once and its keys, values and logits fan out to all their sequences."""
-    joined: dict[tuple[int, ...], Request] = {}
+    joined: dict[tuple[str | None, tuple[int, ...]], Request] = {}
     for request in requests:
-        key = tuple(request.prompt_ids)
+        key = (request.adapter, tuple(request.prompt_ids))
         if key in joined:
             joined[key].sequences.extend(request.sequences)
         else:
-            joined[key] = Request(request.prompt_ids, list(request.sequences))
+            joined[key] = Request(request.prompt_ids, list(request.sequences), request.adapter)
     return list(joined.values())
 
 
@@ -117,6 +121,8 @@ class RunningBatch:
         self.batch = _Batch()
         # decode steps and prefills without the module tree, once built (set and built by the engine)
         self.fused: FusedDecode | None = None
+        # rows of several LoRA adapters in one forward (PEFT's mixed batches; set by the engine, no fused path)
+        self.adapters = False
 
     @property
     def busy(self) -> bool:
@@ -199,23 +205,33 @@ class RunningBatch:
         rollouts, one system prompt and tool list) get their common start computed once and cached."""
         if not self.prefix_cache.enabled:
             return [None] * len(requests)
-        matches = [self.prefix_cache.longest(r.prompt_ids) for r in requests]
-        # (a joined request counts once per sequence: its prompt, shared by several, is worth caching too)
-        unmatched = [
-            r.prompt_ids for r, m in zip(requests, matches, strict=True) if m is None for _ in r.sequences
-        ]
-        if len(unmatched) < 2:
-            return matches
-        shared = common_start(unmatched)
-        if shared < self.prefix_cache.min_tokens:
-            return matches
-        ids = unmatched[0][:shared]
-        row = torch.tensor([ids], device=self._device)  # (1, P)
-        positions = torch.arange(shared, device=self._device)[None]  # (1, P)
-        _, keys, values = self._prefill_forward(row, torch.ones_like(row), positions, [(None, 0)])
-        self.prefix_cache.put(ids, keys, values)
-        common = PrefixMatch(CachedPrefix(tuple(ids), keys, values), shared)
-        return [m if m is not None else common for m in matches]
+        matches = [self.prefix_cache.longest(r.prompt_ids, r.adapter) for r in requests]
+        for adapter in {r.adapter for r in requests}:  # (one adapter's keys and values serve only its rows)
+            # (a joined request counts once per sequence: its prompt, shared by several, is worth caching too)
+            unmatched = [
+                r.prompt_ids
+                for r, m in zip(requests, matches, strict=True)
+                if m is None and r.adapter == adapter
+                for _ in r.sequences
+            ]
+            if len(unmatched) < 2:
+                continue
+            shared = common_start(unmatched)
+            if shared < self.prefix_cache.min_tokens:
+                continue
+            ids = unmatched[0][:shared]
+            row = torch.tensor([ids], device=self._device)  # (1, P)
+            positions = torch.arange(shared, device=self._device)[None]  # (1, P)
+            _, keys, values = self._prefill_forward(
+                row, torch.ones_like(row), positions, [(None, 0)], [adapter]
+            )
+            self.prefix_cache.put(ids, keys, values, adapter)
+            common = PrefixMatch(CachedPrefix(tuple(ids), keys, values, adapter=adapter), shared)
+            matches = [
+                common if m is None and r.adapter == adapter else m
+                for r, m in zip(requests, matches, strict=True)
+            ]
+        return matches
 
     def _prefill_isolated(self, requests: list[Request], matches: list[PrefixMatch | None]) -> None:
         """Prefill the requests together; if that fails (out of memory on a long prompt, say), each on its
@@ -232,8 +248,9 @@ class RunningBatch:
         for request in requests:
             self._prefill_isolated([request], [None])
 
-    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
-        """Logits (B, V) of the last position; the keys and values of input_ids are appended to `cache`."""
+    def _forward(self, input_ids, mask, positions, cache, adapters: list[str | None]) -> torch.Tensor:
+        """Logits (B, V) of the last position; the keys and values of input_ids are appended to `cache`.
+        `adapters`: each row's LoRA adapter, when the engine serves several."""
         # the last position as an index, not `logits_to_keep=1`: that slices the hidden states to a strided
         # (B, 1, E) view, and torch's bf16 linear on a strided 3-d input takes a slow path (measured: 200 ms
         # instead of 0.3 ms for the 27M model's head at 31 rows); an index gathers a contiguous copy
@@ -245,10 +262,19 @@ class RunningBatch:
             use_cache=True,
             logits_to_keep=last,
             **{self._cache_arg: cache},
+            # (PEFT's name for the model without any adapter)
+            **({"adapter_names": [a or "__base__" for a in adapters]} if self.adapters else {}),
         )
         return out.logits[:, -1, :]
 
-    def _prefill_forward(self, input_ids, mask, positions, reused: list[tuple[CachedPrefix | None, int]]):
+    def _prefill_forward(
+        self,
+        input_ids,
+        mask,
+        positions,
+        reused: list[tuple[CachedPrefix | None, int]],
+        adapters: list[str | None],
+    ):
         """Logits (R, V) and per-layer keys and values (R, H, P + S, D): input_ids (R, S) after each row's
         first n cached tokens of its entry (left-padded to the longest; none: a fresh forward)."""
         past = stacked_states(reused)
@@ -256,7 +282,7 @@ class RunningBatch:
         if fused is not None and fused.ready:  # (the same forward without the module tree)
             return fused.prefill(input_ids, positions, mask, past)
         cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()  # (fresh tensors)
-        logits = self._forward(input_ids, mask, positions, cache)
+        logits = self._forward(input_ids, mask, positions, cache, adapters)
         return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
 
     def _prefill(self, requests: list[Request], matches: list[PrefixMatch | None]) -> None:
@@ -278,7 +304,11 @@ class RunningBatch:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, width:]  # (R, S)
         reused = [(m.entry if m is not None else None, n) for m, n in zip(matches, reuse, strict=True)]
         logits, keys, values = self._prefill_forward(
-            ids.to(self._device), mask.to(self._device), positions.to(self._device), reused
+            ids.to(self._device),
+            mask.to(self._device),
+            positions.to(self._device),
+            reused,
+            [r.adapter for r in requests],
         )
         stats = self.prefix_cache.stats
         stats.hits += sum(1 for n in reuse if n)
@@ -323,7 +353,9 @@ class RunningBatch:
             if fused is not None and fused.ready:
                 logits = fused(ids, positions, mask, batch.cache)
             else:
-                logits = self._forward(ids, mask, positions, batch.cache.cache())
+                logits = self._forward(
+                    ids, mask, positions, batch.cache.cache(), [s.adapter for s in batch.sequences]
+                )
         except Exception as exc:
             batch.cache.truncate(before)  # layers before the failure appended their column
             if len(batch.sequences) == 1:
@@ -348,7 +380,7 @@ class RunningBatch:
             ]
             cache = DynamicCache(ddp_cache_data=past)  # (a copy of this row's states)
             try:
-                logits.append(self._forward(ids[one], mask[one], positions[one], cache))
+                logits.append(self._forward(ids[one], mask[one], positions[one], cache, [seq.adapter]))
             except Exception as exc:
                 fail_sequences([seq], f"{type(exc).__name__}: {exc}")
                 continue
@@ -414,7 +446,7 @@ class RunningBatch:
                 [t[i : i + 1, :, longest - n :] for t in keys],
                 [t[i : i + 1, :, longest - n :] for t in values],
             )
-            entries.append((batch.sequences[row].tokens[:n], *views))
+            entries.append((batch.sequences[row].tokens[:n], *views, batch.sequences[row].adapter))
         self.prefix_cache.put_shared(entries, shared)
 
     def drop_finished(self) -> None:

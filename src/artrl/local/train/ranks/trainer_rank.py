@@ -25,12 +25,13 @@ from torch import nn
 
 from artrl.config import EngineConfig, LoraConfig, SFTConfig, TrainConfig
 from artrl.local.models.loading import load_model_and_tokenizer
+from artrl.local.train.adapters import attach_adapter
 from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.logprobs import token_logprobs
 from artrl.local.train.pack import MicroBatch
 from artrl.local.train.ranks.row_shards import rank_micro_batches
 from artrl.local.train.rows import Row
-from artrl.local.train.trainer import Trainer, attach_adapter
+from artrl.local.train.trainer import Trainer
 
 
 @dataclass(frozen=True)

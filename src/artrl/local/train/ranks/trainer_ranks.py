@@ -30,6 +30,7 @@ from artrl.config import EngineConfig, LoraConfig, SFTConfig, TrainConfig, Train
 from artrl.local.concurrency.piped_process import start_piped
 from artrl.local.concurrency.shielded import to_thread_to_the_end
 from artrl.local.models.loading import pick_device
+from artrl.local.train.adapters import save_weights
 from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.ranks.trainer_rank import RankSpec, apply_trainable_state
 from artrl.local.train.rows import Row
@@ -253,7 +254,7 @@ class TrainerRanks:
     def save(self, directory: str) -> None:
         """Weights (PEFT adapter or full model) by this process, the optimizer state by rank 0. A file rank 0
         cannot write (a full disk) is an OSError here and the ranks go on: the save can be tried again."""
-        self.model.save_pretrained(directory)
+        save_weights(self.model, directory)
         path = f"{directory}/optimizer.pt"
         error = self._ask("save_optimizer", (path,))[0]
         if error is not None:

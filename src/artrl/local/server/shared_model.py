@@ -1,0 +1,124 @@
+"""The training server's models on the embedded engine: one PEFT model over one copy of the base weights,
+holding every hosted model's LoRA adapter by name, and one engine generating for all of them (rows of
+different adapters in one batch) and running their training steps in turn on its thread. A hosted model's
+`LocalService` is its gateway over `AdapterEngine` (its adapter of the engine) and its own `Trainer` (its
+optimizer state, over its adapter's parameters), so memory grows by adapters and optimizer states only."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+from pathlib import Path
+from typing import Any
+
+from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig
+from artrl.local.engine.hf.adapter_engine import AdapterEngine
+from artrl.local.engine.hf.engine import HFEngine
+from artrl.local.models.loading import LOADING, context_length, load_model_and_tokenizer
+from artrl.local.service.service import LocalService
+from artrl.local.train.adapters import add_adapter, attach_adapter
+from artrl.local.train.trainer import Trainer
+
+JOB_TIMEOUT_S = 600.0  # adding an adapter and building its trainer wait behind the engine's running jobs
+
+
+class SharedModel:
+    def __init__(self, base_model: str, engine: EngineConfig) -> None:
+        self.base_model, self.engine_config = base_model, engine
+        self._model: Any = None  # the PeftModel (None until the first model starts)
+        self._tokenizer: Any = None
+        self.engine: HFEngine | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    def start(
+        self,
+        served_name: str,
+        base_model: str,
+        engine_config: EngineConfig,
+        gateway_config: GatewayConfig,
+        lora: LoraConfig | None,
+        resume_from: Path | None = None,
+        log_dir: Path | None = None,
+        chat_format: str | None = None,
+        trainable: bool = True,
+        trainer_config: TrainerConfig | None = None,
+    ) -> LocalService:
+        """What `LocalService.start` returns, for one more adapter on the shared model (blocking: run it in a
+        worker thread): a fresh adapter, or `resume_from`'s, with its optimizer state."""
+        trainer_config = trainer_config or TrainerConfig()
+        if lora is None or not trainable or base_model != self.base_model or trainer_config.ranks != 1:
+            raise ValueError(
+                f"models on the shared {self.base_model!r} are LoRA adapters trained in this process "
+                f"(got base_model={base_model!r}, lora={lora!r}, ranks={trainer_config.ranks})"
+            )
+        adapter = f"model{next(self._ids)}"  # (a PEFT adapter's name is a module key: no '.' in it)
+        engine, model = self._with_adapter(adapter, lora)
+
+        def build_trainer() -> Trainer:
+            model.set_adapter(adapter)  # (the trainer takes the active adapter's parameters)
+            trainer = Trainer(
+                model,
+                pad_id=self._tokenizer.pad_token_id or 0,
+                fused_lora=trainer_config.fused_lora,
+                share_prompts=trainer_config.share_prompts,
+                fused_norms=trainer_config.fused_norms,
+            )
+            if resume_from is not None:
+                trainer.load(str(resume_from))
+            return trainer
+
+        view = AdapterEngine(
+            engine,
+            adapter,
+            activate=lambda: model.set_adapter(adapter),
+            remove=lambda: _remove(model, adapter),
+        )
+        try:
+            trainer = engine.call(build_trainer, adapter=adapter).result(JOB_TIMEOUT_S)
+            step = int(resume_from.name) if resume_from is not None and resume_from.name.isdigit() else 0
+            tokenizer = copy.deepcopy(
+                self._tokenizer
+            )  # (a fast tokenizer is not for several threads at once)
+            service = LocalService.serve(
+                served_name, model, tokenizer, view, engine_config, gateway_config, chat_format, step
+            )
+        except BaseException:
+            engine.forget_adapter(adapter, lambda: _remove(model, adapter)).result(JOB_TIMEOUT_S)
+            raise
+        service.trainer = trainer
+        return service
+
+    def _with_adapter(self, adapter: str, lora: LoraConfig) -> tuple[HFEngine, Any]:
+        """The engine and the model, with a fresh adapter named `adapter` on it (loaded at the first)."""
+        with self._lock:
+            if self.engine is None:
+                with LOADING:
+                    model, self._tokenizer = load_model_and_tokenizer(self.base_model, self.engine_config)
+                    model = attach_adapter(model, lora, adapter)
+                model.eval()
+                max_context = context_length(model, self.engine_config)
+                self._model = model
+                self.engine = HFEngine(
+                    model, max_context=max_context, config=self.engine_config, adapters=True
+                )
+                return self.engine, model
+            engine, model = self.engine, self._model
+        engine.call(lambda: add_adapter(model, lora, adapter), adapter=adapter).result(JOB_TIMEOUT_S)
+        return engine, model
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+
+
+def _remove(model: Any, adapter: str) -> None:
+    """`adapter` out of the model, unless it is the last one (a PeftModel keeps at least one; a fresh model
+    is a fresh adapter, never this one's weights)."""
+    if len(model.peft_config) > 1:
+        model.delete_adapter(adapter)
