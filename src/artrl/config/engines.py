@@ -59,8 +59,8 @@ class VLLMConfig(_Frozen):
     api_key: str | None = Field(
         default=None,
         min_length=1,
-        description="the key of the server at `url` (its --api-key); a server artrl starts gets a fresh random "
-        "key, so no other local process can generate or swap its adapters",
+        description="the key of the server at `url` (its --api-key); a server artrl starts gets this key, or "
+        "when None a fresh random one, so no other local process can generate or swap its adapters",
     )
     python: str | None = Field(
         default=None,
@@ -75,6 +75,12 @@ class VLLMConfig(_Frozen):
     )
     max_lora_rank: int | None = Field(
         default=None, description="--max-lora-rank; None = the model's LoRA rank rounded up to vLLM's sizes"
+    )
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        description="--max-loras (adapters in one batch); None = lora_window, or on a training server's shared "
+        "vLLM server 8 (several models' adapters batched together)",
     )
     gpu_memory_utilization: float | None = Field(
         default=None, gt=0, le=1, description="GPU only: vLLM's share of the GPU (leave room for the trainer)"

@@ -24,10 +24,12 @@ KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
 PROMPT = [{"role": "user", "content": "Say something."}]
 
 
-def start_server(model_dir: Path, folder: Path, port: int, keys: Path | None = None) -> subprocess.Popen:
+def start_server(
+    model_dir: Path, folder: Path, port: int, keys: Path | None = None, engine: str = "hf"
+) -> subprocess.Popen:
     """`artrl server` as a process (its output in folder/server.log), once it answers /health."""
     command = [sys.executable, "-m", "artrl.cli", "server", str(model_dir), "--port", str(port)]
-    command += ["--path", str(folder / "runs"), *(["--keys", str(keys)] if keys else [])]
+    command += ["--path", str(folder / "runs"), "--engine", engine, *(["--keys", str(keys)] if keys else [])]
     with (folder / "server.log").open("ab") as log:  # (a file, not a pipe: nobody reads a pipe during tests)
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -313,6 +315,42 @@ async def test_each_tenants_served_model_changes_only_with_its_own_steps(tiny_mo
         assert await matches_its_checkpoint(1, 1) != before[1]
         assert await matches_its_checkpoint(0, 1) == after_a
         assert await matches_its_checkpoint(2, 0) == before[2]
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+@pytest.mark.vllm
+async def test_models_of_several_tenants_share_one_vllm_server(tiny_model_dir, tmp_path):
+    """`--engine vllm`: two tenants' models of the same name on one vLLM server (one server log, none in the
+    models' folders), each served its own adapter: one's step changes its greedy answer only."""
+    from artrl.local.engine.vllm.server import free_port
+
+    keys = tmp_path / "keys"
+    keys.write_text("".join(f"{t} {t}-key-0123456789abcdef\n" for t in ("a", "b")))
+    port = free_port()
+    process = start_server(tiny_model_dir, tmp_path, port, keys, engine="vllm")
+    try:
+        url, models = f"http://127.0.0.1:{port}", []
+        for tenant in ("a", "b"):
+            model = artrl.TrainableModel(name="agent", project="p", base_model=str(tiny_model_dir))
+            await model.register(artrl.RemoteBackend(url, api_key=f"{tenant}-key-0123456789abcdef"))
+            models.append(model)
+
+        async def greedy(model: artrl.TrainableModel) -> list[int]:
+            completion = await model.openai_client().chat.completions.create(
+                model=model.name, messages=PROMPT, max_tokens=16, temperature=0.0
+            )
+            return completion.choices[0].model_extra["token_ids"]
+
+        before = [await greedy(m) for m in models]
+        assert before[0] == before[1]
+        await models[0].train(await scored_groups(models[0], 4), artrl.TrainConfig(learning_rate=5e-2))
+        assert await models[0].get_step() == 1
+        assert await greedy(models[1]) == before[1]
+        assert await greedy(models[0]) != before[0]
+        logs = sorted(p.relative_to(tmp_path / "runs") for p in (tmp_path / "runs").rglob("vllm*.log"))
+        assert logs == [Path(".vllm/vllm.log")], logs  # one vLLM server for both tenants
     finally:
         process.terminate()
         process.wait(60)

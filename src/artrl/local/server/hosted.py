@@ -10,15 +10,13 @@ import json
 import re
 import secrets
 from collections.abc import Awaitable, Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from artrl.config import EngineConfig, GatewayConfig, ServerConfig, TrainerConfig
 from artrl.local.backend.models_here import ModelsHere
-from artrl.local.models.shared_base import SharedBase
 from artrl.local.server.shared_model import SharedModel
-from artrl.local.service.service import LocalService
+from artrl.local.server.shared_vllm import SharedVLLM
 from artrl.model import TrainableModel
 from artrl.storage import atomic_write_json
 
@@ -43,9 +41,10 @@ class HostedModels:
             engine = engine.model_copy(update={"merge_lora": "never"})
         self.config, self.engine, self.trainer = config, engine, trainer or TrainerConfig()
         # the base weights, once for every tenant's models: on the embedded engine one model holding every
-        # adapter, one engine batching them all; next to vLLM, model objects sharing the base tensors
+        # adapter, one engine batching them all; next to vLLM, one vLLM server with every model's adapters
+        # (and trainers over base tensors loaded once)
         self.shared = SharedModel(config.base_model, engine) if engine.kind == "hf" else None
-        self.base = SharedBase(config.base_model)
+        self.shared_vllm = SharedVLLM(config.base_model, engine, config.path) if self.shared is None else None
         # each model's own gateway answers only the server (loopback, and this key)
         self.gateway = GatewayConfig(api_key=secrets.token_urlsafe(32))
         self._here: dict[str, ModelsHere] = {}
@@ -104,11 +103,9 @@ class HostedModels:
             here = self._here.get(tenant)
             if here is None:
                 path = f"{self.config.path}/{tenant}"
-                start = (
-                    self.shared.start
-                    if self.shared is not None
-                    else partial(LocalService.start, load=self.base.load)
-                )
+                shared = self.shared or self.shared_vllm
+                assert shared is not None
+                start = shared.start
                 here = ModelsHere(path, self.engine, self.gateway, self.trainer, start)
                 self._here[tenant] = here
             await here.register(model)
@@ -144,6 +141,8 @@ class HostedModels:
         finally:
             if self.shared is not None:
                 await self.shared.close()
+            if self.shared_vllm is not None:
+                await asyncio.to_thread(self.shared_vllm.close)
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")

@@ -70,11 +70,15 @@ class LocalService:
         trainable: bool = True,
         trainer_config: TrainerConfig | None = None,
         load: Callable[..., tuple[Any, Any]] = load_model_and_tokenizer,
+        adapter_name: str | None = None,
     ) -> LocalService:
         """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread.
 
         `load` is `load_model_and_tokenizer` or what stands for it (`SharedBase.load`: the base weights of a
         training server's models, in memory once).
+
+        `adapter_name`: the model's adapters on a vLLM server several models share (`{adapter_name}@{step}`;
+        None: `served_name`).
 
         `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state.
         `trainer_config.ranks > 1` trains in that many processes (TrainerRanks), started here."""
@@ -135,7 +139,9 @@ class LocalService:
         max_context = context_length(model, engine_config)
         try:
             if engine_config.kind == "vllm":
-                launch = VLLMLaunch(served_name, base_model, engine_config, max_context, lora, log_dir)
+                launch = VLLMLaunch(
+                    served_name, base_model, engine_config, max_context, lora, log_dir, adapter_name
+                )
                 engine: Engine = launch.engine(resume_from)
             else:
                 engine = HFEngine(model, max_context=max_context, config=engine_config)

@@ -28,6 +28,9 @@ class VLLMLaunch:
     max_context: int
     lora: LoraConfig | None
     log_dir: Path | None
+    adapter_name: str | None = (
+        None  # its adapters' names on vLLM, `{adapter_name}@{step}` (None: served_name)
+    )
 
     def engine(self, resume_from: Path | None) -> VLLMEngine:
         """The engine, with `resume_from`'s weights served: its adapter loaded, or its full weights."""
@@ -62,7 +65,8 @@ class VLLMLaunch:
                 return self.server(index, Path(checkpoint) if checkpoint else None, cancel)
 
         idle_s = self.engine_config.engine_thread_idle_s
-        engine = VLLMEngine(replicas, base, self.served_name, self.max_context, config, start, idle_s)
+        name = self.adapter_name or self.served_name
+        engine = VLLMEngine(replicas, base, name, self.max_context, config, start, idle_s)
         engine.replicas.weights = str(full_weights) if full_weights else None
         if self.lora is not None and resume_from is not None:
             try:

@@ -217,7 +217,8 @@ class VLLMServer:
         args += load_args(load or LoadConfig(), full_weights=tokenizer is not None)
         if lora_rank is not None:
             rank = config.max_lora_rank or lora_rank_limit(lora_rank)
-            args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(config.lora_window)]
+            loras = config.max_loras or config.lora_window
+            args += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(loras)]
         chunked = config.chunked_prefill if config.chunked_prefill is not None else not on_cpu
         if not chunked:  # every prompt in one step: the budget must hold the longest
             args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 8192))]
@@ -228,7 +229,8 @@ class VLLMServer:
         if config.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
         args += list(config.extra_args)
-        api_key = secrets.token_urlsafe(32)  # in the environment, not the command line (`ps` shows that)
+        # (in the environment, not the command line: `ps` shows that)
+        api_key = config.api_key or secrets.token_urlsafe(32)
         env = {
             **os.environ,
             "VLLM_API_KEY": api_key,
