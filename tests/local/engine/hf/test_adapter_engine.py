@@ -35,10 +35,14 @@ def two_adapters(hf_model):
     return model.eval()
 
 
-@pytest.fixture
-async def engine(two_adapters):
-    engine = HFEngine(two_adapters, max_context=512, config=EngineConfig(max_batch_size=16), adapters=True)
+@pytest.fixture(params=["fused", "transformers"])
+async def engine(two_adapters, request):
+    """The engine on the fused CPU forward (base products + each adapter's factors on its rows), and on the
+    transformers forward (PEFT's mixed batches)."""
+    config = EngineConfig(max_batch_size=16, fused_decode=request.param == "fused")
+    engine = HFEngine(two_adapters, max_context=512, config=config, adapters=True)
     yield engine
+    assert (engine._fused is not None) == (request.param == "fused")  # (it did not fall back)
     await engine.close()
 
 
@@ -126,3 +130,23 @@ async def test_a_request_for_an_adapter_the_model_lacks_is_refused_alone(engine)
     with pytest.raises(ValueError, match="no adapter 'three'"):
         engine.generate(PROMPT, GREEDY, 1, adapter="three")
     assert len(await sample(engine, "one")) == GREEDY.max_tokens  # (the batch never saw the bad request)
+
+
+async def test_an_adapters_new_weights_serve_its_rows_from_its_next_step(engine, two_adapters):
+    """A job of 'one' changes its weights (as its training step does): its rows sample the new weights, the
+    fused forward's factors of 'two' stay as they were."""
+    before = {name: await sample(engine, name) for name in ("one", "two")}
+
+    def flip() -> None:
+        with torch.no_grad():
+            for name, p in two_adapters.named_parameters():
+                if "lora_B.one" in name:
+                    p.neg_()
+
+    await asyncio.wrap_future(engine.call(flip, adapter="one"))
+    try:
+        after = {name: await sample(engine, name) for name in ("one", "two")}
+        assert after["one"] == alone(two_adapters, "one", PROMPT) != before["one"]
+        assert after["two"] == before["two"]
+    finally:
+        await asyncio.wrap_future(engine.call(flip, adapter="one"))

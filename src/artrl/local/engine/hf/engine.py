@@ -86,8 +86,8 @@ class HFEngine:
             prefix_cache=self.prefix_cache,
             cache_arg=cache_arg,
         )
-        # (None: not CPU, another layout, or several adapters: their rows need the module tree's forward)
-        self._fused = FusedDecode.of(model) if config.fused_decode and not adapters else None
+        # (None: not CPU, another layout)
+        self._fused = FusedDecode.of(model, adapters) if config.fused_decode else None
         self._steps.fused = self._fused
         self._steps.adapters = adapters
         self._worker = IdleEndingThread(self._run, "artrl-engine")
@@ -231,6 +231,8 @@ class HFEngine:
             with torch.inference_mode():  # (the batch's cache tensors are inference tensors)
                 self._steps.drop_finished()
             self.prefix_cache.clear_adapter(adapter)
+            if self._fused is not None:
+                self._fused.stale(adapter)  # (its factors dropped at the next build)
             return remove()
 
         return self.call(forget, changes_weights=False, adapter=adapter)
@@ -260,7 +262,7 @@ class HFEngine:
             else:
                 self.prefix_cache.clear_adapter(job.adapter)
             if self._fused is not None:
-                self._fused.stale()
+                self._fused.stale(job.adapter)
         if self._lora is not None:
             self._lora.unmerge()  # jobs see the model as the trainer built it: base weights + adapter
         torch.set_num_threads(self._threads[1])  # training with torch's default

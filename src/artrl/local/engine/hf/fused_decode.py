@@ -26,8 +26,11 @@ key/value head per query head when there is a mask. This forward instead:
   there, run eagerly where TorchScript is off or fails), so the engine thread takes the interpreter lock
   back a few times per step instead of once per operation while the gateway's threads run Python.
 
+With `adapters=True` (a model holding several LoRA adapters, rows of different ones in one step) the
+products use the base weights, and each adapter's rows add its own low-rank products (`adapter_factors.py`).
+
 The weights are rebuilt after every engine job (a training step may have changed them): `stale()`, then
-`build()` before the next step. Anything outside the checked layout (another architecture, a sliding
+`build()` before the next step; with adapters, a job of one adapter rebuilds only that adapter's factors. Anything outside the checked layout (another architecture, a sliding
 window, a LoRA variant, an adapter on the embeddings) keeps the transformers forward. Costs one more copy
 of the decoder's linear weights.
 """
@@ -41,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from artrl.local.engine.hf.adapter_factors import Factors, adapter_factors, adapter_names, row_masks
 from artrl.local.engine.hf.kv_cache import BatchCache
 from artrl.local.engine.hf.scripted_layers import decode_layers, prefill_layers, scripted
 from artrl.local.kernels.merged_lora import folded, mergeable
@@ -79,8 +83,9 @@ class _Flat(NamedTuple):
     eps: list[float]
 
 
-def _effective(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias a linear module (plain, or a PEFT LoRA layer) applies at inference."""
+def _effective(module: Any, fold: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias a linear module (plain, or a PEFT LoRA layer) applies at inference (fold=False:
+    its base layer's, the adapters' products added per row)."""
     base = getattr(module, "base_layer", None)
     if base is None:
         if type(module) is not torch.nn.Linear:
@@ -89,16 +94,16 @@ def _effective(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     if type(base) is not torch.nn.Linear:
         raise TypeError(f"an adapter over {type(base).__name__}")
     weight = base.weight
-    if not module.disable_adapters and not module.merged:  # the adapter runs beside W: fold it in
+    if fold and not module.disable_adapters and not module.merged:  # the adapter runs beside W: fold it in
         if not mergeable(module):
             raise TypeError("a LoRA layer artrl cannot fold (a variant such as DoRA, or several adapters)")
         weight = folded(module, weight).to(weight.dtype)
     return weight, base.bias
 
 
-def _joined(modules: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _joined(modules: list[Any], fold: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The modules' weights stacked along the output dimension (one product for all)."""
-    parts = [_effective(m) for m in modules]
+    parts = [_effective(m, fold) for m in modules]
     weight = torch.cat([w for w, _ in parts])  # (sum of outs, in)
     if all(b is None for _, b in parts):
         return weight, None
@@ -124,8 +129,11 @@ def _can_pack(dtype: torch.dtype) -> bool:
 class FusedDecode:
     """Decode steps for one model (see the module docstring); None from `of` where it does not apply."""
 
-    def __init__(self, base: Any, script: bool = True) -> None:
+    def __init__(self, base: Any, script: bool = True, adapters: bool = False) -> None:
         self._base = base  # the transformers ForCausalLM under any PEFT wrapper
+        self._adapters = adapters  # rows of several adapters: base products + each adapter's factors
+        self._factors: dict[str, Factors] = {}
+        self._dirty: set[str] = set()  # adapters whose factors are to be (re)built
         config = base.config
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads
@@ -139,7 +147,7 @@ class FusedDecode:
         self._flat: _Flat | None = None  # the layers' weights, built with the head
 
     @classmethod
-    def of(cls, model: Any) -> FusedDecode | None:
+    def of(cls, model: Any, adapters: bool = False) -> FusedDecode | None:
         """For a model of a supported layout on the CPU; None otherwise (the transformers forward)."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         name = type(base).__name__
@@ -166,14 +174,18 @@ class FusedDecode:
         if why is not None:
             log.info("decode steps and prefills through the transformers forward: %s", why)
             return None
-        return cls(base)
+        return cls(base, adapters=adapters)
 
     @property
     def ready(self) -> bool:
-        return self._head is not None
+        return self._head is not None and not self._dirty
 
-    def stale(self) -> None:
-        """The weights may have changed: build() again before the next step."""
+    def stale(self, adapter: str | None = None) -> None:
+        """The weights may have changed (only `adapter`'s, when given with adapters=True): build() again
+        before the next step."""
+        if adapter is not None and self._adapters and self._head is not None:
+            self._dirty.add(adapter)
+            return
         self._head, self._flat = None, None
 
     def _product(self, weight: torch.Tensor, bias: torch.Tensor | None) -> _Product:
@@ -201,18 +213,32 @@ class FusedDecode:
 
     @torch.no_grad()
     def build(self) -> None:
-        """The fused (and packed) weights of the model as it is now. Raises TypeError for a module outside
-        the layout (the caller then keeps the transformers forward)."""
+        """The fused (and packed) weights of the model as it is now (and the adapters' factors). Raises
+        TypeError for a module outside the layout (the caller then keeps the transformers forward)."""
+        if self._head is None:
+            self._build_products()
+            self._factors, self._dirty = {}, adapter_names(self._base) if self._adapters else set()
+        present = adapter_names(self._base) if self._dirty else set()
+        dtype = self._base.model.embed_tokens.weight.dtype
+        for name in sorted(self._dirty):
+            if name in present:
+                self._factors[name] = adapter_factors(self._base, name, dtype)
+            else:
+                self._factors.pop(name, None)
+        self._dirty = set()
+
+    def _build_products(self) -> None:
+        fold = not self._adapters
         weights, biases, packed, norms, eps = [], [], [], [], []
         for block in self._base.model.layers:
             attention, mlp = block.self_attn, block.mlp
             if getattr(attention, "sliding_window", None) is not None:
                 raise TypeError("a sliding-window layer")
             for product in (
-                self._product(*_joined([attention.q_proj, attention.k_proj, attention.v_proj])),
-                self._product(*_effective(attention.o_proj)),
-                self._product(*_joined([mlp.gate_proj, mlp.up_proj])),
-                self._product(*_effective(mlp.down_proj)),
+                self._product(*_joined([attention.q_proj, attention.k_proj, attention.v_proj], fold)),
+                self._product(*_effective(attention.o_proj, fold)),
+                self._product(*_joined([mlp.gate_proj, mlp.up_proj], fold)),
+                self._product(*_effective(mlp.down_proj, fold)),
             ):
                 weights.append(product.weight)
                 biases.append(product.bias)
@@ -227,7 +253,7 @@ class FusedDecode:
             eps += [float(input_norm.variance_epsilon), float(post_norm.variance_epsilon), float(qk_eps)]
         decode, prefill = self._loops()
         self._flat = _Flat(decode, prefill, weights, biases, packed, norms, eps)
-        self._head = self._product(*_effective(self._base.lm_head))
+        self._head = self._product(*_effective(self._base.lm_head, fold))
 
     def _loops(self) -> tuple[Any, Any]:
         """The layer loops: compiled by TorchScript, or (off, or where it fails) the same functions eagerly."""
@@ -249,14 +275,24 @@ class FusedDecode:
         positions: torch.Tensor,  # (B, 1)
         mask: torch.Tensor,  # (B, T + 1) 1 = a token, 0 = left padding
         cache: BatchCache,  # T columns; each layer gets this step's keys and values appended
+        adapters: list[str | None] | None = None,  # each row's adapter (adapters=True)
     ) -> torch.Tensor:
         """Logits (B, V) of the next token."""
         assert self._head is not None, "build() first"
         hidden, rotary = self._start(ids, positions)  # (B, 1, E)
-        return self._end(self._decode_layers(hidden, rotary, mask, cache))
+        return self._end(self._decode_layers(hidden, rotary, mask, cache, self._lora(adapters, ids.device)))
+
+    def _lora(self, adapters: list[str | None] | None, device: torch.device) -> tuple[list, list, list]:
+        """The scripted layers' lora_a, lora_b and masks for rows of these adapters ([] x 3: none)."""
+        if not self._adapters or adapters is None:
+            return [], [], []
+        names, masks = row_masks(adapters, self._base.model.embed_tokens.weight.dtype, device)
+        lora_a = [a for name in names for a, _ in self._factors[name]]
+        lora_b = [b for name in names for _, b in self._factors[name]]
+        return lora_a, lora_b, masks
 
     def _decode_layers(
-        self, hidden: torch.Tensor, rotary: tuple, mask: torch.Tensor, cache: BatchCache
+        self, hidden: torch.Tensor, rotary: tuple, mask: torch.Tensor, cache: BatchCache, lora: tuple
     ) -> torch.Tensor:
         """The layers of a decode step (one TorchScript call, see scripted_layers): (B, 1, E)."""
         assert self._flat is not None
@@ -269,7 +305,7 @@ class FusedDecode:
         values = [layer.value_buffer for layer in cache.layers]
         try:
             hidden = flat.decode(
-                hidden, rotary[0], rotary[1], mask.bool(), *flat[2:], keys, values,
+                hidden, rotary[0], rotary[1], mask.bool(), *flat[2:], *lora, keys, values,
                 length, wide, self._heads, self._kv_heads, self._head_dim, self._intermediate, float(self._scale),
             )  # fmt: skip
         except BaseException:
@@ -286,6 +322,7 @@ class FusedDecode:
         positions: torch.Tensor,  # (R, S)
         mask: torch.Tensor,  # (R, P + S) 1 = a token, 0 = left padding
         past: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (R, H_kv, P, D) keys, values; [] if P = 0
+        adapters: list[str | None] | None = None,  # each row's adapter (adapters=True)
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The same forward over S new tokens per row on top of P cached ones (the transformers forward's
         prefill, as `RunningBatch` calls it): logits (R, V) of each row's last position and per layer the
@@ -303,7 +340,8 @@ class FusedDecode:
         assert self._flat is not None
         flat = self._flat
         hidden, keys, values = flat.prefill(
-            hidden, rotary[0], rotary[1], attend, *flat[2:], [k for k, _ in past], [v for _, v in past],
+            hidden, rotary[0], rotary[1], attend, *flat[2:], *self._lora(adapters, ids.device),
+            [k for k, _ in past], [v for _, v in past],
             self._heads, self._kv_heads, self._head_dim, self._intermediate, float(self._scale),
         )  # fmt: skip
         return self._end(hidden), keys, values

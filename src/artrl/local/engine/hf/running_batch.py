@@ -280,7 +280,7 @@ class RunningBatch:
         past = stacked_states(reused)
         fused = self.fused
         if fused is not None and fused.ready:  # (the same forward without the module tree)
-            return fused.prefill(input_ids, positions, mask, past)
+            return fused.prefill(input_ids, positions, mask, past, adapters if self.adapters else None)
         cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()  # (fresh tensors)
         logits = self._forward(input_ids, mask, positions, cache, adapters)
         return logits, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
@@ -351,7 +351,8 @@ class RunningBatch:
         try:
             fused = self.fused
             if fused is not None and fused.ready:
-                logits = fused(ids, positions, mask, batch.cache)
+                rows = [s.adapter for s in batch.sequences] if self.adapters else None
+                logits = fused(ids, positions, mask, batch.cache, rows)
             else:
                 logits = self._forward(
                     ids, mask, positions, batch.cache.cache(), [s.adapter for s in batch.sequences]

@@ -10,7 +10,9 @@ TorchScript function, which takes the lock back a few times per call instead of 
 The computation is FusedDecode's (`fused_decode.py`), op for op: RMS norms in fp32 then the weight in the
 model's dtype, q/k/v and gate/up as one product each (oneDNN-packed weights where given), Qwen3's q/k norms
 as one pass over the joined heads, the rotation as `x·cos + roll(x)·signed_sin`, attention as
-`cpu_attention.decode_attention`, and the cache column written in place into each layer's buffers.
+`cpu_attention.decode_attention`, and the cache column written in place into each layer's buffers. With
+rows of several LoRA adapters (`adapter_factors.py`), each product adds each adapter's low-rank product on
+its own rows (`_adapted`); with no groups, the base weights' (or the folded ones') product alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,25 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
         scalars = torch.jit.annotate(list[int | float | complex | None], [])
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", scalars, "")
     return F.linear(x, weight, bias)
+
+
+def _adapted(
+    x: torch.Tensor,  # (B, L, in): the product's input
+    y: torch.Tensor,  # (B, L, out): the base weights' product
+    lora_a: list[torch.Tensor],  # per group and product: A (Σr, in), or empty
+    lora_b: list[torch.Tensor],  # per group and product: s·B (Σout, Σr)
+    masks: list[torch.Tensor],  # per group: its rows, a (B, 1, 1) mask, or empty for every row
+    at: int,  # the product's index among a model's products
+    products: int,  # a model's products (4 per layer)
+) -> torch.Tensor:
+    """y plus, on each group's rows, (x·Aᵀ)·(s·B)ᵀ of the group's adapter."""
+    for group in range(len(masks)):
+        a = lora_a[group * products + at]
+        if a.numel() > 0:
+            low = F.linear(F.linear(x, a), lora_b[group * products + at])
+            mask = masks[group]
+            y = y + low if mask.numel() == 0 else y + low * mask
+    return y
 
 
 def _rms_with(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,6 +86,9 @@ def decode_layers(
         torch.Tensor
     ],  # per layer: input norm, post-attention norm, joined q/k norm or an empty tensor
     eps: list[float],  # per layer: the input norm's, the post-attention norm's, the q/k norm's
+    lora_a: list[torch.Tensor],  # per adapter group and product (see _adapted); [] without groups
+    lora_b: list[torch.Tensor],
+    masks: list[torch.Tensor],  # per adapter group: its rows (see _adapted)
     keys: list[torch.Tensor],  # per layer (B_cap, H_kv, T_cap, D) buffers
     values: list[torch.Tensor],
     length: int,  # T: columns the buffers hold; this step's keys and values go into column T
@@ -76,11 +100,12 @@ def decode_layers(
     scale: float,
 ) -> torch.Tensor:
     """The hidden states (B, 1, E) after every layer; each layer's buffers get this step's column."""
-    batch = hidden.shape[0]
+    batch, n = hidden.shape[0], len(weights)
     for index in range(len(keys)):
         at = 4 * index
         x = _rms_with(hidden, norms[3 * index], eps[3 * index])
-        qkv = _product(x, weights[at], biases[at], packed[at]).view(batch, 1, heads + 2 * kv_heads, dim)
+        qkv = _adapted(x, _product(x, weights[at], biases[at], packed[at]), lora_a, lora_b, masks, at, n)
+        qkv = qkv.view(batch, 1, heads + 2 * kv_heads, dim)
         qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)  # (B, 1, H + H_kv, D), (B, 1, H_kv, D)
         qk_norm = norms[3 * index + 2]
         if qk_norm.numel() > 0:
@@ -99,10 +124,14 @@ def decode_layers(
         else:
             key, value = key_buffer[:batch, :, : length + 1], value_buffer[:batch, :, : length + 1]
         out = _attention(q, key, value, mask, scale).reshape(batch, 1, heads * dim)
-        hidden = hidden + _product(out, weights[at + 1], biases[at + 1], packed[at + 1])
+        o = _product(out, weights[at + 1], biases[at + 1], packed[at + 1])
+        hidden = hidden + _adapted(out, o, lora_a, lora_b, masks, at + 1, n)
         x = _rms_with(hidden, norms[3 * index + 1], eps[3 * index + 1])
-        gate, up = _product(x, weights[at + 2], biases[at + 2], packed[at + 2]).split(intermediate, dim=-1)
-        hidden = hidden + _product(F.silu(gate) * up, weights[at + 3], biases[at + 3], packed[at + 3])
+        gate_up = _product(x, weights[at + 2], biases[at + 2], packed[at + 2])
+        gate, up = _adapted(x, gate_up, lora_a, lora_b, masks, at + 2, n).split(intermediate, dim=-1)
+        act = F.silu(gate) * up
+        down = _product(act, weights[at + 3], biases[at + 3], packed[at + 3])
+        hidden = hidden + _adapted(act, down, lora_a, lora_b, masks, at + 3, n)
     return hidden
 
 
@@ -116,6 +145,9 @@ def prefill_layers(
     packed: list[bool],
     norms: list[torch.Tensor],
     eps: list[float],
+    lora_a: list[torch.Tensor],  # as decode_layers'
+    lora_b: list[torch.Tensor],
+    masks: list[torch.Tensor],
     past_keys: list[torch.Tensor],  # per layer (R, H_kv, P, D) cached keys; empty lists when P = 0
     past_values: list[torch.Tensor],
     heads: int,
@@ -126,13 +158,14 @@ def prefill_layers(
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """FusedDecode.prefill's layers: the hidden states (R, S, E) after every layer and per layer the keys and
     values (R, H_kv, P + S, D) of all the rows' tokens (tensors of their own)."""
-    rows, length = hidden.shape[0], hidden.shape[1]
+    rows, length, n = hidden.shape[0], hidden.shape[1], len(weights)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for index in range(len(weights) // 4):
         at = 4 * index
         x = _rms_with(hidden, norms[3 * index], eps[3 * index])
-        qkv = _product(x, weights[at], biases[at], packed[at]).view(rows, length, heads + 2 * kv_heads, dim)
+        qkv = _adapted(x, _product(x, weights[at], biases[at], packed[at]), lora_a, lora_b, masks, at, n)
+        qkv = qkv.view(rows, length, heads + 2 * kv_heads, dim)
         qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)  # (R, S, H + H_kv, D), (R, S, H_kv, D)
         qk_norm = norms[3 * index + 2]
         if qk_norm.numel() > 0:
@@ -148,10 +181,14 @@ def prefill_layers(
         values.append(v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=scale, enable_gqa=True)
         out = out.transpose(1, 2).reshape(rows, length, heads * dim)  # (R, S, H·D)
-        hidden = hidden + _product(out, weights[at + 1], biases[at + 1], packed[at + 1])
+        o = _product(out, weights[at + 1], biases[at + 1], packed[at + 1])
+        hidden = hidden + _adapted(out, o, lora_a, lora_b, masks, at + 1, n)
         x = _rms_with(hidden, norms[3 * index + 1], eps[3 * index + 1])
-        gate, up = _product(x, weights[at + 2], biases[at + 2], packed[at + 2]).split(intermediate, dim=-1)
-        hidden = hidden + _product(F.silu(gate) * up, weights[at + 3], biases[at + 3], packed[at + 3])
+        gate_up = _product(x, weights[at + 2], biases[at + 2], packed[at + 2])
+        gate, up = _adapted(x, gate_up, lora_a, lora_b, masks, at + 2, n).split(intermediate, dim=-1)
+        act = F.silu(gate) * up
+        down = _product(act, weights[at + 3], biases[at + 3], packed[at + 3])
+        hidden = hidden + _adapted(act, down, lora_a, lora_b, masks, at + 3, n)
     return hidden, keys, values
 
 
