@@ -37,6 +37,11 @@ class ServerConfig(_Frozen):
     max_queued_calls: int = Field(
         default=16, ge=1, description="a tenant's training calls waiting or running at once (more: 429)"
     )
+    max_open_captures: int = Field(
+        default=256,
+        ge=1,
+        description="a tenant's `artrl.capture` blocks open at once (more: its oldest dropped)",
+    )
 
     @model_validator(mode="after")
     def _keys_beyond_loopback(self) -> ServerConfig:

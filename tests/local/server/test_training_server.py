@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 import artrl
@@ -92,6 +93,38 @@ async def test_a_remote_client_trains_a_model_on_the_server(server, tiny_model_d
     again = artrl.TrainableModel(name="agent", project="remote", base_model=str(tiny_model_dir))
     await again.register(artrl.RemoteBackend(url, api_key=KEY_A))  # a client that restarted: the same model
     assert await again.get_step() == 1
+
+
+async def test_capture_blocks_record_calls_made_through_the_server_and_train(server, tiny_model_dir):
+    """`artrl.capture` around unchanged agent calls to a remote model: the model's own client (the capture
+    header) and a client given only `cap.base_url` are both recorded, with the server's token ids; the two
+    turns chain into one trajectory, which trains; another tenant cannot close the capture."""
+    url, _ = server
+    model = artrl.TrainableModel(name="captured", project="remote", base_model=str(tiny_model_dir))
+    await model.register(artrl.RemoteBackend(url, api_key=KEY_A))
+    trajectories = []
+    for reward in (1.0, 0.0):
+        async with artrl.capture(model) as cap:
+            client = model.openai_client()
+            first = await client.chat.completions.create(
+                model=model.name, messages=PROMPT, max_tokens=6, seed=int(reward)
+            )
+            messages = [*PROMPT, first.choices[0].message.model_dump(exclude_none=True)]
+            plain = openai.AsyncOpenAI(base_url=cap.base_url, api_key=KEY_A, max_retries=0)
+            assert [m.id for m in (await plain.models.list()).data]  # (the capture's own base URL lists too)
+            await plain.chat.completions.create(
+                model=model.name, messages=[*messages, {"role": "user", "content": "More."}], max_tokens=6
+            )
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY_B}"}, timeout=30) as http:
+                assert (await http.delete(f"{url}/v1/captures/{cap.id}")).status_code == 404  # bob's reach
+        assert len(cap.records) == 2
+        choices = cap.trajectory.choices()
+        assert len(choices) == 2 and choices[1].prompt_source == "continuation"
+        assert choices[1].prompt_token_ids[: len(choices[0].prompt_token_ids)] == choices[0].prompt_token_ids
+        cap.trajectory.reward = reward
+        trajectories.append(cap.trajectory)
+    result = await model.train([artrl.TrajectoryGroup(trajectories)])
+    assert result.step == 1 and result.metrics["rows"] == 2
 
 
 async def test_a_resent_training_call_trains_once(server, tiny_model_dir):

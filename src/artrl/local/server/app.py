@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import shutil
 import tarfile
@@ -17,18 +16,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
-from artrl.config import CheckpointRetention, GatewayConfig, SFTConfig, TrainConfig
+from artrl.capturing.block import CAPTURE_HEADER
+from artrl.config import CheckpointRetention, SFTConfig, TrainConfig
 from artrl.local.gateway.calls import bounded_body
 from artrl.local.gateway.dialects.dialect import json_body
 from artrl.local.gateway.guard import Guard, Rules, TrustedHosts
-from artrl.local.gateway.in_process import openai_httpx
 from artrl.local.gateway.protocol import RequestError
+from artrl.local.server.captures import CaptureNotFound, ServerCaptures
+from artrl.local.server.forwarding import Forwarder, Gateways, Inflight
 from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
+from artrl.local.server.refusals import Refused, error_response
 from artrl.local.server.tenants import ADMIN, Tenants, bearer
 from artrl.storage import latest_step
 from artrl.trajectory import Trajectory, TrajectoryGroup
@@ -37,20 +37,11 @@ log = logging.getLogger(__name__)
 PROXIED = ("chat/completions", "responses", "messages")  # answered by the named model's own gateway
 
 
-class Refused(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": code, "code": code}}, status_code=status)
-
-
 def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     """The routes over `hosted`; at shutdown every model's engine, gateway and trainer is closed."""
-    gateways = _Gateways(hosted)
-    inflight = Inflight(hosted.config.max_concurrent_requests)
+    gateways = Gateways(hosted)
+    captures = ServerCaptures(hosted.config.max_open_captures)
+    forwarder = Forwarder(hosted, gateways, Inflight(hosted.config.max_concurrent_requests), captures)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -62,24 +53,29 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
         title="artrl training server", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     limit = hosted.config.max_request_bytes
-    chat_limit = GatewayConfig().max_request_bytes
     # with keys the key decides (any Host); without, a loopback server answers only loopback names (DNS
     # rebinding); a POST must be JSON, so no web page reaches it cross-site (gateway/guard.py)
     hosts = TrustedHosts(hosted.config.host, ("*",) if tenants.keyed else ())
-    app.add_middleware(Guard, rules=Rules(hosts, lambda s, m, c: _error(s, m, c), json_posts=True))
+    app.add_middleware(Guard, rules=Rules(hosts, lambda s, m, c: error_response(s, m, c), json_posts=True))
 
     @app.exception_handler(Refused)
     async def refused(_: Request, exc: Refused) -> JSONResponse:
-        return _error(exc.status, str(exc), exc.code)
+        return error_response(exc.status, str(exc), exc.code)
+
+    @app.exception_handler(CaptureNotFound)
+    async def capture_not_found(_: Request, exc: CaptureNotFound) -> JSONResponse:
+        return error_response(404, str(exc), "capture_not_found")
 
     @app.exception_handler(RequestError)
-    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+    async def requesterror_response(_: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("training server: unexpected error")
-        return _error(500, f"internal error ({type(exc).__name__}); see the server's log", "internal_error")
+        return error_response(
+            500, f"internal error ({type(exc).__name__}); see the server's log", "internal_error"
+        )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -145,60 +141,30 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
 
     async def proxied(request: Request) -> Response:
         tenant = _tenant(request, tenants)
-        release = inflight.take(tenant)  # (429 beyond the tenant's limit; given back when the answer ends)
-        try:
-            return await _proxy(request, tenant, release)
-        except BaseException:
-            release()
-            raise
+        return await forwarder.forward(request, tenant, request.url.path, request.headers.get(CAPTURE_HEADER))
 
-    async def _proxy(request: Request, tenant: str, release) -> Response:
-        raw = await bounded_body(request, chat_limit)
-        try:
-            name = json.loads(raw).get("model")
-        except (ValueError, AttributeError, RecursionError):
-            raise Refused(
-                400, "the body must be a JSON object naming its `model`", "invalid_request"
-            ) from None
-        if not isinstance(name, str):
-            raise Refused(400, "the body must name the served model in `model`", "invalid_request")
-        _find(hosted, tenant, name)
-        client = gateways.client(tenant, name)
-        upstream = client.build_request(
-            "POST", request.url.path, content=raw, headers={"content-type": "application/json"}
-        )
-        response = await client.send(upstream, stream=True)
-
-        async def finished() -> None:
-            release()
-            await response.aclose()
-
-        async def body():
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            finally:  # (the client went away mid-answer, too: the slot is given back)
-                release()
-
-        return StreamingResponse(
-            body(),
-            status_code=response.status_code,
-            media_type=response.headers.get("content-type"),
-            background=BackgroundTask(finished),
-        )
+    async def captured(capture_id: str, request: Request) -> Response:
+        tenant = _tenant(request, tenants)
+        path = request.url.path.removeprefix(f"/capture/{capture_id}")
+        return await forwarder.forward(request, tenant, path, capture_id)
 
     for path in PROXIED:
         app.post(f"/v1/{path}")(proxied)
+        app.post(f"/capture/{{capture_id}}/v1/{path}", name=f"capture_{path}")(captured)
 
     @app.post("/v1/captures")
-    async def captures(request: Request) -> Response:
-        _tenant(request, tenants)
-        raise Refused(
-            501,
-            "capture blocks are not served by the training server yet: record trajectories from the choices "
-            "(Trajectory(messages_and_choices=[..., choice])), as the examples do",
-            "not_implemented",
-        )
+    async def open_capture(request: Request) -> dict[str, Any]:
+        return {"id": captures.open(_tenant(request, tenants)), "object": "capture"}
+
+    @app.delete("/v1/captures/{capture_id}")
+    async def close_capture(capture_id: str, request: Request) -> dict[str, Any]:
+        records = await forwarder.close_capture(_tenant(request, tenants), capture_id)
+        return {"id": capture_id, "object": "capture", "records": records}
+
+    @app.get("/capture/{capture_id}/v1/models")
+    async def capture_models(capture_id: str, request: Request) -> dict[str, Any]:
+        captures.check(_tenant(request, tenants), capture_id)
+        return await openai_models(request)
 
     return app
 
@@ -260,57 +226,3 @@ async def _export(here, model) -> Response:
 def _tar(source: Path, archive: Path) -> None:
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(source, arcname=".")
-
-
-class Inflight:
-    """Each tenant's generation requests in flight, at most `limit` at once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.count = limit, {}
-
-    def take(self, tenant: str):
-        """A slot (429 when none is left): the function that gives it back, once, however often called."""
-        if self.count.get(tenant, 0) >= self.limit:
-            raise Refused(
-                429,
-                f"this tenant has {self.limit} requests in flight (ServerConfig.max_concurrent_requests); "
-                "retry shortly",
-                "too_many_requests",
-            )
-        self.count[tenant] = self.count.get(tenant, 0) + 1
-        given = False
-
-        def release() -> None:
-            nonlocal given
-            if not given:
-                given = True
-                self.count[tenant] -= 1
-
-        return release
-
-
-class _Gateways:
-    """An httpx client per hosted model, to its own gateway without a socket (the in-process transport)."""
-
-    def __init__(self, hosted: HostedModels) -> None:
-        self._hosted = hosted
-        self._clients: dict[tuple[str, str], httpx.AsyncClient] = {}
-
-    def client(self, tenant: str, name: str) -> httpx.AsyncClient:
-        here, model = self._hosted.find(tenant, name)
-        key = (tenant, model.name)
-        client = self._clients.get(key)
-        if client is None:
-            service = here.service(model)
-            http = openai_httpx()  # (the httpx the in-process transport is built on)
-            client = self._clients[key] = http.AsyncClient(
-                base_url=service.base_url.removesuffix("/v1"),
-                transport=here.client_transport(model),
-                headers={"Authorization": f"Bearer {self._hosted.gateway.api_key}"},
-                timeout=http.Timeout(None, connect=30.0),  # (generation: as long as the client waits)
-            )
-        return client
-
-    async def close(self) -> None:
-        for client in self._clients.values():
-            await client.aclose()
