@@ -63,3 +63,4 @@ class RemoteConfig(_Frozen):
     retries: int = Field(
         default=3, ge=0, description="resends of a call whose connection broke (same request id: done once)"
     )
+    progress: bool = Field(default=True, description="a live bar of each train / train_sft call on stderr")

@@ -4,12 +4,15 @@ another machine — `model.register(RemoteBackend(url, api_key=...))` and the re
 The model is served by the server's one OpenAI-compatible gateway (`{url}/v1`, the tenant's key as the API
 key); `train` sends the trajectories with the token ids the gateway recorded in their choices. Every call has
 a timeout; a call whose connection broke is sent again with the same request id, which the server answers
-from its first run: a retried `train` never trains twice."""
+from its first run: a retried `train` never trains twice. `train` and `train_sft` stream the call's progress
+(queued behind other models' steps, rows trained, saving) as a live bar, a line at least every few seconds:
+a dead server or connection is noticed within `RemoteConfig.timeout_s`, however long the call."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import tarfile
 import uuid
@@ -78,7 +81,9 @@ class RemoteBackend:
             "groups": [g.model_dump(mode="json") for g in groups],
             "config": config.model_dump(mode="json"),
         }
-        return TrainResult.model_validate(await self._model_call(model, "train", body, long=True))
+        return TrainResult.model_validate(
+            await self._model_call(model, "train", body, long=True, stream=True)
+        )
 
     async def train_sft(
         self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
@@ -89,7 +94,9 @@ class RemoteBackend:
             "trajectories": [t.model_dump(mode="json") for t in trajectories],
             "config": config.model_dump(),
         }
-        return TrainResult.model_validate(await self._model_call(model, "train_sft", body, long=True))
+        return TrainResult.model_validate(
+            await self._model_call(model, "train_sft", body, long=True, stream=True)
+        )
 
     async def log(
         self,
@@ -114,10 +121,60 @@ class RemoteBackend:
             tar.extractall(target, filter="data")  # (no absolute paths, links out, or devices)
 
     async def _model_call(
-        self, model: TrainableModel, call: str, body: dict[str, Any], long: bool = False
+        self, model: TrainableModel, call: str, body: dict[str, Any], long: bool = False, stream: bool = False
     ) -> Any:
         body = {**body, "request_id": uuid.uuid4().hex}  # (one id for every resend of this call)
-        return (await self._call("POST", f"/artrl/v1/models/{model.name}/{call}", body, long=long))["result"]
+        path = f"/artrl/v1/models/{model.name}/{call}"
+        if stream:
+            try:
+                async with asyncio.timeout(self.config.train_timeout_s):
+                    return await self._streamed(path, {**body, "stream": True}, f"{model.name} {call}")
+            except TimeoutError:
+                raise RemoteError(
+                    f"{call} of {model.name!r} did not finish within {self.config.train_timeout_s:g} s "
+                    "(RemoteConfig.train_timeout_s); the server may still finish it: get_step() says"
+                ) from None
+        return (await self._call("POST", path, body, long=long))["result"]
+
+    async def _streamed(self, path: str, body: dict[str, Any], label: str) -> Any:
+        """A call whose answer is NDJSON lines (progress, then its result or its error), shown as a bar; sent
+        again with the same request id when the connection breaks (the server streams the same call on)."""
+        from tqdm import tqdm
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        timeout = httpx.Timeout(
+            self.config.timeout_s
+        )  # (between two lines: the server sends one every few s)
+        bar = tqdm(desc=label, unit="row", disable=not self.config.progress, leave=False)
+        try:
+            for attempt in range(self.config.retries + 1):
+                try:
+                    async with (
+                        httpx.AsyncClient(timeout=timeout, headers=headers) as http,
+                        http.stream("POST", f"{self.url}{path}", json=body) as response,
+                    ):
+                        if response.status_code >= 400:
+                            await response.aread()
+                            _raise_refusal(path, response.status_code, _message(response))
+                        async for line in response.aiter_lines():
+                            message = json.loads(line) if line.strip() else {}
+                            if "progress" in message:
+                                _show(bar, label, message["progress"])
+                            elif "error" in message:
+                                error = message["error"]
+                                _raise_refusal(path, int(error.get("status", 500)), str(error.get("message")))
+                            elif "result" in message:
+                                return message["result"]
+                    raise httpx.RemoteProtocolError("the answer ended before the call's result")
+                except httpx.TransportError as exc:
+                    if attempt == self.config.retries:
+                        raise RemoteError(
+                            f"the training server at {self.url} did not answer POST {path} "
+                            f"({type(exc).__name__}: {exc}; tried {attempt + 1} times)"
+                        ) from exc
+                    await asyncio.sleep(min(2.0**attempt, 10.0))
+        finally:
+            bar.close()
 
     async def _call(
         self,
@@ -144,13 +201,29 @@ class RemoteBackend:
                     ) from exc
                 await asyncio.sleep(min(2.0**attempt, 10.0))
         if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:500]
-            if response.status_code in (400, 422):
-                raise ValueError(f"the training server refused {path}: {message}")
-            raise RemoteError(
-                f"the training server answered {response.status_code}: {message}", response.status_code
-            )
+            _raise_refusal(path, response.status_code, _message(response))
         return response.content if raw else response.json()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500]
+
+
+def _raise_refusal(path: str, status: int, message: str) -> None:
+    """Bad input as ValueError (as a LocalBackend raises it), anything else as RemoteError."""
+    if status in (400, 422):
+        raise ValueError(f"the training server refused {path}: {message}")
+    raise RemoteError(f"the training server answered {status}: {message}", status)
+
+
+def _show(bar: Any, label: str, progress: dict[str, Any]) -> None:
+    """The bar at the call's rows trained, its label saying the phase (queued, training, saving)."""
+    bar.set_description(f"{label} ({progress.get('phase')})", refresh=False)
+    total = int(progress.get("rows_total") or 0)
+    if total and bar.total != total:
+        bar.reset(total=total)
+    bar.n = int(progress.get("rows_done") or 0)
+    bar.refresh()

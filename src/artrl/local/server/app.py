@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from artrl.capturing.block import CAPTURE_HEADER
 from artrl.config import CheckpointRetention, SFTConfig, TrainConfig
@@ -28,6 +28,7 @@ from artrl.local.gateway.protocol import RequestError
 from artrl.local.server.captures import CaptureNotFound, ServerCaptures
 from artrl.local.server.forwarding import Forwarder, Gateways, Inflight
 from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
+from artrl.local.server.progress_lines import progress_lines
 from artrl.local.server.refusals import Refused, error_response
 from artrl.local.server.tenants import ADMIN, Tenants, bearer
 from artrl.storage import latest_step
@@ -104,31 +105,18 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
         here, model = _find(hosted, tenant, name)
         body = await _json(request, limit)
         request_id = body.pop("request_id", None)
-        if call == "train":
-            groups = [TrajectoryGroup.model_validate(g) for g in body.get("groups", [])]
-            config = TrainConfig.model_validate(body.get("config") or {})
-            work = lambda: here.train(model, groups, config)  # noqa: E731
-        elif call == "train_sft":
-            trajectories = [Trajectory.model_validate(t) for t in body.get("trajectories", [])]
-            if not trajectories:
-                raise Refused(400, "train_sft() got no trajectories", "invalid_request")
-            sft = SFTConfig.model_validate(body.get("config") or {})
-            work = lambda: here.train_sft(model, trajectories, sft)  # noqa: E731
-        elif call == "log":
-            groups = [TrajectoryGroup.model_validate(g) for g in body.get("groups", [])]
-            args = (groups, str(body.get("split")), body.get("metrics"), body.get("step"))
-            work = lambda: here.log(model, *args)  # noqa: E731
-        elif call == "delete_checkpoints":
-            retention = CheckpointRetention.model_validate(body.get("retention") or {})
-            work = lambda: here.delete_checkpoints(model, retention)  # noqa: E731
-        elif call == "export":
+        streamed = body.pop("stream", False) is True and call in ("train", "train_sft")
+        try:
+            work = _work(here, model, call, body)
+        except ValueError as exc:  # (pydantic's ValidationError included: trajectories that do not parse)
+            raise Refused(400, str(exc), "invalid_request") from None
+        if work is None:
             return await _export(here, model)
-        else:
-            raise Refused(
-                404, f"no call {call!r}: train, train_sft, log, delete_checkpoints, export", "not_found"
-            )
-        result = await _call(hosted.once(tenant, request_id, work))
-        return JSONResponse({"result": _plain(result)})
+        answer = _call(hosted.once(tenant, request_id, work))
+        if streamed:
+            lines = progress_lines(answer, here.service(model).progress)
+            return StreamingResponse(lines, media_type="application/x-ndjson")
+        return JSONResponse({"result": _plain(await answer)})
 
     @app.get("/v1/models")
     async def openai_models(request: Request) -> dict[str, Any]:
@@ -193,6 +181,33 @@ async def _call(work):
         raise Refused(404, str(exc), "model_not_found") from None
     except ValueError as exc:  # (pydantic's ValidationError included)
         raise Refused(400, str(exc), "invalid_request") from None
+
+
+def _work(here, model, call: str, body: dict[str, Any]):
+    """The backend call `call` of the model with the body's arguments, to run (None: an export)."""
+    if call == "train":
+        groups = [TrajectoryGroup.model_validate(g) for g in body.get("groups", [])]
+        config = TrainConfig.model_validate(body.get("config") or {})
+        return lambda: here.train(model, groups, config)
+    elif call == "train_sft":
+        trajectories = [Trajectory.model_validate(t) for t in body.get("trajectories", [])]
+        if not trajectories:
+            raise Refused(400, "train_sft() got no trajectories", "invalid_request")
+        sft = SFTConfig.model_validate(body.get("config") or {})
+        return lambda: here.train_sft(model, trajectories, sft)
+    elif call == "log":
+        groups = [TrajectoryGroup.model_validate(g) for g in body.get("groups", [])]
+        args = (groups, str(body.get("split")), body.get("metrics"), body.get("step"))
+        return lambda: here.log(model, *args)
+    elif call == "delete_checkpoints":
+        retention = CheckpointRetention.model_validate(body.get("retention") or {})
+        return lambda: here.delete_checkpoints(model, retention)
+    elif call == "export":
+        return None
+    else:
+        raise Refused(
+            404, f"no call {call!r}: train, train_sft, log, delete_checkpoints, export", "not_found"
+        )
 
 
 def _entry(tenant: str, model, hosted: HostedModels) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from artrl.local.models.loading import (
     pick_dtype,
 )
 from artrl.local.train.adapters import attach_adapter, load_adapter, save_weights
+from artrl.local.train.progress import TrainProgress
 from artrl.local.train.ranks.trainer_ranks import TrainerRanks
 from artrl.local.train.trainer import Trainer
 
@@ -188,6 +189,11 @@ class LocalService:
         server = GatewayServer(create_app(serving, gateway_config), gateway_config)
         server.start(gateway_config.startup_timeout_s)
         return cls(model, tokenizer, fmt, engine, server, max_context=engine.max_context, names=names)
+
+    @property
+    def progress(self) -> TrainProgress:
+        """Where its current training call is (idle without a trainer)."""
+        return self.trainer.progress if self.trainer is not None else TrainProgress()
 
     def _trainer(self) -> Trainer | TrainerRanks:
         if self.trainer is None:

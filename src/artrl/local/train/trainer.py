@@ -24,6 +24,7 @@ from artrl.local.train.fused_norm import FusedNormTraining
 from artrl.local.train.logprobs import head_is_the_models, shares_prefixes, token_logprobs, unwrapped
 from artrl.local.train.loss import LossTerms, policy_loss, sft_loss
 from artrl.local.train.pack import MicroBatch, collate, pack, pack_by_prompt, shared_prompt
+from artrl.local.train.progress import TrainProgress
 from artrl.local.train.rollback import CallStart
 from artrl.local.train.rows import NO_LOGPROB, Row
 
@@ -187,6 +188,7 @@ class Trainer:
         self._norms = FusedNormTraining.of(model) if fused_norms else None
         self.roll_back = roll_back
         self._before: CallStart | None = None  # the call's state before its first optimizer step
+        self.progress = TrainProgress()  # (read by other threads: the training server streams it)
 
     def step(self, batch: TrainingBatch, config: TrainConfig) -> dict[str, float]:
         """GRPO: rows (with their advantages) → micro-batches → logprobs → loss → backward, then clip and
@@ -199,6 +201,7 @@ class Trainer:
         batch.before_update = [False for _ in batch.rows]
         total = GRPOTotals()
         self._begin(config)
+        self.progress.start(len(batch.rows))
         try:
             for k, rows in enumerate(slices):
                 if not rows:
@@ -220,8 +223,10 @@ class Trainer:
                     )
                     terms.loss.backward()
                     total.add(terms, entropy, mb, before_any_update=total.optimizer_steps == 0)
+                    self.progress.rows_done += len(micro)
                 total.grad_norm = self._optimizer_step(config.max_grad_norm)
                 total.optimizer_steps += 1
+                self.progress.optimizer_steps = total.optimizer_steps
         except BaseException:
             self._roll_back()
             raise
@@ -237,6 +242,7 @@ class Trainer:
         loss = entropy_sum = weight = grad_norm = 0.0
         done = 0
         self._begin(config)
+        self.progress.start(sum(len(rows) for rows in steps))
         try:
             for rows in filter(None, steps):
                 normaliser = _normaliser(rows)
@@ -253,9 +259,11 @@ class Trainer:
                     step_loss += float(micro_loss.detach())
                     entropy_sum += float((entropy * token_weight).sum())
                     weight += float(token_weight.sum())
+                    self.progress.rows_done += len(micro)
                 grad_norm = self._optimizer_step(config.max_grad_norm)
                 loss += step_loss
                 done += 1
+                self.progress.optimizer_steps = done
         except BaseException:
             self._roll_back()
             raise
@@ -373,12 +381,17 @@ class Trainer:
         decides where: the embedded engine's thread, between two of its steps). Its metrics gain
         `queue_seconds`: how long it waited for its turn there."""
         queued = time.perf_counter()
+        self.progress.phase = "queued"
 
         def turn() -> dict[str, float]:
             waited = time.perf_counter() - queued
+            self.progress.phase = "training"
             return {**call(self), "queue_seconds": waited}
 
-        return await engine.run_exclusive(turn)
+        try:
+            return await engine.run_exclusive(turn)
+        finally:
+            self.progress.phase = "saving"  # (the caller writes the checkpoint next; idle after)
 
     def close(self) -> None:
         """Nothing to stop: this trainer runs in this process."""

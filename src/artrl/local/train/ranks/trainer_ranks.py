@@ -32,6 +32,7 @@ from artrl.local.concurrency.shielded import to_thread_to_the_end
 from artrl.local.models.loading import pick_device
 from artrl.local.train.adapters import save_weights
 from artrl.local.train.batch import TrainingBatch
+from artrl.local.train.progress import TrainProgress
 from artrl.local.train.ranks.trainer_rank import RankSpec, apply_trainable_state
 from artrl.local.train.rows import Row
 from artrl.local.train.trainer import check_train_config
@@ -98,6 +99,7 @@ class TrainerRanks:
         resume_from: Path | None,
         log_dir: Path,
     ) -> None:
+        self.progress = TrainProgress()  # (its phase: the training server streams it)
         from safetensors.torch import save
 
         check_fsdp2()
@@ -239,8 +241,12 @@ class TrainerRanks:
     async def run(self, call: Callable[[TrainerRanks], dict[str, float]], engine: Any) -> dict[str, float]:
         """A training call in the ranks while the engine keeps serving the previous weights; the update is
         then loaded into the served model where nothing else touches it. Finished whole even if cancelled."""
-        metrics = await to_thread_to_the_end(call, self)
-        await engine.run_exclusive(self.load_update)
+        self.progress.phase = "training"  # (the ranks' rows are theirs: no count here)
+        try:
+            metrics = await to_thread_to_the_end(call, self)
+            await engine.run_exclusive(self.load_update)
+        finally:
+            self.progress.phase = "saving"
         return metrics
 
     def load_update(self) -> None:
