@@ -103,7 +103,7 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
 
     from artrl.local.engine.contract import SequenceStream
     from artrl.local.engine.hf.engine import _Job
-    from artrl.local.engine.hf.running_batch import Request, RunningSequence
+    from artrl.local.engine.hf.sequences import Request, RunningSequence
 
     engine = HFEngine(hf_model, max_context=2048, config=EngineConfig())
     release = threading.Event()

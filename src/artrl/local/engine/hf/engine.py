@@ -36,8 +36,9 @@ from artrl.local.concurrency.torch_threads import default_threads
 from artrl.local.engine.contract import SequenceStream
 from artrl.local.engine.hf.fused_decode import FusedDecode
 from artrl.local.engine.hf.prefix_cache import PrefixCache
-from artrl.local.engine.hf.running_batch import Request, RunningBatch, RunningSequence, fail_sequences
+from artrl.local.engine.hf.running_batch import RunningBatch
 from artrl.local.engine.hf.sampling import SamplingParams
+from artrl.local.engine.hf.sequences import Request, RunningSequence, fail_sequences
 from artrl.local.kernels.merged_lora import MergedLora
 
 log = logging.getLogger(__name__)

@@ -9,14 +9,11 @@ batched step is retried row by row, so only a sequence whose own step fails ends
 from __future__ import annotations
 
 import logging
-import random
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from artrl.local.engine.contract import SequenceStream
 from artrl.local.engine.hf.fused_decode import FusedDecode
 from artrl.local.engine.hf.kv_cache import BatchCache, cached_token_bytes, left_pad
 from artrl.local.engine.hf.prefix_cache import (
@@ -28,68 +25,17 @@ from artrl.local.engine.hf.prefix_cache import (
     stacked_states,
 )
 from artrl.local.engine.hf.sampling import SamplingError, SamplingParams, sample_rows
+from artrl.local.engine.hf.sequences import (
+    Batch,
+    Request,
+    RunningSequence,
+    fail_sequences,
+    one_row_per_prompt,
+)
 
 log = logging.getLogger(__name__)
 
 TRIM_COLUMNS = 64  # padding columns (that no running row needs) worth dropping from the batch's cache
-
-
-@dataclass
-class RunningSequence:
-    stream: SequenceStream
-    params: SamplingParams
-    generator: random.Random | None  # (seeded requests: the row's own draws, see sampling.uniforms)
-    generated: int = 0
-    last_token: int = 0
-    position: int = 0  # position id of last_token
-    done: bool = False  # engine side: ended (stop, length or abort) and to be dropped from the batch
-    tokens: list[int] = field(default_factory=list)  # prompt + sampled (for the prefix cache)
-    reusable: bool = False  # ended by stop or length: its keys and values may serve a later prompt
-    adapter: str | None = (
-        None  # the LoRA adapter it samples from (an engine serving several; None: the model)
-    )
-
-    def finish(self, reason) -> None:
-        if not self.done:
-            self.done = True
-            self.reusable = reason in ("stop", "length")
-            self.stream.end(reason)
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    sequences: list[RunningSequence]
-    adapter: str | None = None  # (its sequences' adapter)
-
-
-@dataclass
-class _Batch:
-    """Running sequences and their left-padded KV cache. Row i of every tensor belongs to sequences[i]."""
-
-    sequences: list[RunningSequence] = field(default_factory=list)
-    cache: BatchCache | None = None  # per layer (B, H_kv, T, D), grown in place by decode steps
-    mask: torch.Tensor | None = None  # (B, T) long, 0 on padding
-
-
-def _one_row_per_prompt(requests: list[Request]) -> list[Request]:
-    """Requests with the same prompt (a group's rollouts, sent one by one) joined into one: their prompt is
-    prefilled once and its keys, values and logits fan out to all their sequences."""
-    joined: dict[tuple[str | None, tuple[int, ...]], Request] = {}
-    for request in requests:
-        key = (request.adapter, tuple(request.prompt_ids))
-        if key in joined:
-            joined[key].sequences.extend(request.sequences)
-        else:
-            joined[key] = Request(request.prompt_ids, list(request.sequences), request.adapter)
-    return list(joined.values())
-
-
-def fail_sequences(sequences: list[RunningSequence], message: str, reason: str = "error") -> None:
-    for seq in sequences:
-        if not seq.done:
-            seq.done = True
-            seq.stream.end(reason, message)  # type: ignore[arg-type]
 
 
 class RunningBatch:
@@ -118,7 +64,7 @@ class RunningBatch:
         self._cache_arg = cache_arg  # the forward's name for the KV cache argument
         self._device = next(model.parameters()).device
         self.pending: list[Request] = []
-        self.batch = _Batch()
+        self.batch = Batch()
         # decode steps and prefills without the module tree, once built (set and built by the engine)
         self.fused: FusedDecode | None = None
         # rows of several LoRA adapters in one forward (PEFT's mixed batches; set by the engine, no fused path)
@@ -135,7 +81,7 @@ class RunningBatch:
 
     def fail_running(self, message: str, reason: str = "error") -> None:
         fail_sequences(self.batch.sequences, message, reason)
-        self.batch = _Batch()
+        self.batch = Batch()
 
     def admit(self) -> None:
         """Prefill waiting requests into the batch, in their order: as many as fit in its free rows, in the
@@ -177,7 +123,7 @@ class RunningBatch:
         if not admitted:
             return
         try:  # (popped from `pending`: from here on a failure must reach their streams, never lose them)
-            admitted = _one_row_per_prompt(admitted)
+            admitted = one_row_per_prompt(admitted)
             try:
                 matches = self._prefix_matches(admitted)
             except Exception as exc:  # the shared start's forward (out of memory, say): prefill without it
@@ -334,7 +280,7 @@ class RunningBatch:
         # (measured: exact where the config's estimate is not, a quantised model's say)
         self.token_bytes = sum(t.shape[1] * t.shape[3] * t.element_size() for t in (*keys, *values))
         if not batch.sequences or batch.cache is None:
-            self.batch = _Batch(list(sequences), BatchCache.from_states(keys, values), mask)
+            self.batch = Batch(list(sequences), BatchCache.from_states(keys, values), mask)
             return
         length = max(batch.mask.shape[1], mask.shape[1])
         batch.cache.add_rows(keys, values)
@@ -390,9 +336,9 @@ class RunningBatch:
             values.append([layer.values for layer in cache.layers])
         sequences = [batch.sequences[i] for i in kept]
         if not sequences:
-            self.batch = _Batch()
+            self.batch = Batch()
             return
-        self.batch = _Batch(
+        self.batch = Batch(
             sequences,
             BatchCache.from_states(
                 [torch.cat(layer) for layer in zip(*keys, strict=True)],  # per layer (B', H, T+1, D)
@@ -422,7 +368,7 @@ class RunningBatch:
             elif seq.generated >= seq.params.max_tokens or seq.position + 1 >= self._max_context:
                 seq.finish("length")
 
-    def _remember(self, batch: _Batch, rows: list[int]) -> None:
+    def _remember(self, batch: Batch, rows: list[int]) -> None:
         """Copy finished rows' keys and values into the prefix cache: their prompt + sampled tokens but the
         last sampled one (never fed back, so it has none). A row's tokens are its last columns (rows are
         left-padded), so they are counted, not searched."""
@@ -464,7 +410,7 @@ class RunningBatch:
             except Exception as exc:
                 log.warning("finished rows not cached (%s: %s)", type(exc).__name__, exc)
         if not keep:
-            self.batch = _Batch()
+            self.batch = Batch()
             return
         index = torch.tensor(keep, device=self._device)
         mask = batch.mask.index_select(0, index)  # (B', T)
