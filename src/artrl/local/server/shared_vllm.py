@@ -3,7 +3,7 @@
 into it at runtime under the model's own names (`TENANT/PROJECT/MODEL@STEP`: tenants' models of one name
 never meet), and requests of several models batched together by vLLM's multi-LoRA serving (`--max-loras`
 adapters in one batch). Each model's trainer is its own module tree over base tensors loaded once
-(`SharedBase`)."""
+(`SharedBase`); their training calls take turns on one thread."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig, VLLMConfig
-from artrl.local.engine.vllm.launch import VLLMLaunch
+from artrl.local.concurrency.idle_thread import IdleEndingExecutor
+from artrl.local.engine.vllm.launch import VLLMLaunch, VLLMShare
 from artrl.local.engine.vllm.server import VLLMServer, lora_rank_limit
 from artrl.local.models.loading import context_length
 from artrl.local.models.shared_base import SharedBase
@@ -29,6 +30,9 @@ class SharedVLLM:
         self.base_model, self.engine_config, self.path = base_model, engine, Path(path)
         self.base = SharedBase(base_model)
         self.servers: list[VLLMServer] = []
+        # every model's training calls, one at a time, in the order they come (the GPU holds one step's
+        # activations at a time; a tenant's calls at once are bounded by ServerConfig.max_queued_calls)
+        self.trainer_thread = IdleEndingExecutor(engine.engine_thread_idle_s, "artrl-trainer")
         self._vllm: VLLMConfig | None = None  # how each model's engine reaches them
         self._lock = threading.Lock()
         self._closed = False
@@ -70,7 +74,7 @@ class SharedVLLM:
             trainable,
             trainer_config,
             load=self.base.load,
-            adapter_name=adapter,
+            vllm_share=VLLMShare(adapter, self.trainer_thread),
         )
 
     def _shared(self, lora: LoraConfig) -> VLLMConfig:
@@ -115,6 +119,7 @@ class SharedVLLM:
         with self._lock:
             self._closed = True
             self._stop()
+        self.trainer_thread.shutdown(wait=True)
 
     def _stop(self) -> None:
         servers, self.servers = self.servers, []

@@ -14,7 +14,7 @@ from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig
 from artrl.local.chat_format import ChatFormat
 from artrl.local.engine.contract import Engine
 from artrl.local.engine.hf.engine import HFEngine
-from artrl.local.engine.vllm.launch import VLLMLaunch
+from artrl.local.engine.vllm.launch import VLLMLaunch, VLLMShare
 from artrl.local.gateway.app import create_app
 from artrl.local.gateway.names import ServedNames
 from artrl.local.gateway.prompts import CompletionStore, PromptBuilder
@@ -71,15 +71,14 @@ class LocalService:
         trainable: bool = True,
         trainer_config: TrainerConfig | None = None,
         load: Callable[..., tuple[Any, Any]] = load_model_and_tokenizer,
-        adapter_name: str | None = None,
+        vllm_share: VLLMShare | None = None,
     ) -> LocalService:
         """Blocking: load the model, attach the adapter, resume, serve. Run it in a worker thread.
 
         `load` is `load_model_and_tokenizer` or what stands for it (`SharedBase.load`: the base weights of a
         training server's models, in memory once).
 
-        `adapter_name`: the model's adapters on a vLLM server several models share (`{adapter_name}@{step}`;
-        None: `served_name`).
+        `vllm_share`: the model is one of several on one vLLM server (a training server's, see VLLMShare).
 
         `trainable=False` serves `resume_from`'s weights only (`artrl serve`): no trainer, no optimizer state.
         `trainer_config.ranks > 1` trains in that many processes (TrainerRanks), started here."""
@@ -141,7 +140,7 @@ class LocalService:
         try:
             if engine_config.kind == "vllm":
                 launch = VLLMLaunch(
-                    served_name, base_model, engine_config, max_context, lora, log_dir, adapter_name
+                    served_name, base_model, engine_config, max_context, lora, log_dir, vllm_share
                 )
                 engine: Engine = launch.engine(resume_from)
             else:

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import httpx
@@ -58,13 +59,16 @@ class VLLMEngine:
         config: VLLMConfig,
         start: StartServer | None = None,
         trainer_thread_idle_s: float = EngineConfig.model_fields["engine_thread_idle_s"].default,
+        trainer_thread: Executor | None = None,
     ) -> None:
         self.config = config
         self.router = ReplicaRouter(len(replicas), config.affinity_entries)
         self._router_lock = threading.Lock()  # requests may come from more than one event loop
         self.replicas = ReplicaSet(replicas, config, served_name, start, on_restart=self._forget_replica)
-        # (its thread ends when idle, its OpenMP team with it: see idle_thread)
-        self._trainer_thread = IdleEndingExecutor(trainer_thread_idle_s, "artrl-trainer")
+        # (its thread ends when idle, its OpenMP team with it: see idle_thread); a given one is shared by
+        # several models' engines (their training calls take turns on it) and outlives this engine
+        self._owns_trainer_thread = trainer_thread is None
+        self._trainer_thread = trainer_thread or IdleEndingExecutor(trainer_thread_idle_s, "artrl-trainer")
         self.served_name = served_name  # the base model's name on the vLLM servers
         self.model_name = model_name  # the artrl model's name: adapters are `{model_name}@{step}`
         self.loaded: list[str] = []  # adapters loaded by us, oldest first
@@ -298,4 +302,5 @@ class VLLMEngine:
                     await asyncio.wait([done], timeout=5)
         finally:
             await asyncio.to_thread(self.replicas.close)
-            self._trainer_thread.shutdown(wait=True)
+            if self._owns_trainer_thread:
+                self._trainer_thread.shutdown(wait=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +15,15 @@ from artrl.local.engine.vllm.engine import VLLMEngine
 from artrl.local.engine.vllm.replicas import Replica
 from artrl.local.engine.vllm.server import VLLMServer, replica_placement
 from artrl.local.models.loading import pick_device, pick_dtype
+
+
+@dataclass(frozen=True)
+class VLLMShare:
+    """A model on a vLLM server that several models share: its adapters' names there, `{adapter_name}@{step}`
+    (unique among the models), and the one thread on which every model's training calls take turns."""
+
+    adapter_name: str
+    trainer_thread: Executor
 
 
 @dataclass(frozen=True)
@@ -28,9 +37,7 @@ class VLLMLaunch:
     max_context: int
     lora: LoraConfig | None
     log_dir: Path | None
-    adapter_name: str | None = (
-        None  # its adapters' names on vLLM, `{adapter_name}@{step}` (None: served_name)
-    )
+    share: VLLMShare | None = None  # a vLLM server several models share (a training server's)
 
     def engine(self, resume_from: Path | None) -> VLLMEngine:
         """The engine, with `resume_from`'s weights served: its adapter loaded, or its full weights."""
@@ -65,8 +72,9 @@ class VLLMLaunch:
                 return self.server(index, Path(checkpoint) if checkpoint else None, cancel)
 
         idle_s = self.engine_config.engine_thread_idle_s
-        name = self.adapter_name or self.served_name
-        engine = VLLMEngine(replicas, base, name, self.max_context, config, start, idle_s)
+        name = self.share.adapter_name if self.share is not None else self.served_name
+        trainer_thread = self.share.trainer_thread if self.share is not None else None
+        engine = VLLMEngine(replicas, base, name, self.max_context, config, start, idle_s, trainer_thread)
         engine.replicas.weights = str(full_weights) if full_weights else None
         if self.lora is not None and resume_from is not None:
             try:
