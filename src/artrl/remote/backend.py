@@ -27,6 +27,7 @@ from artrl.config import CheckpointRetention, RemoteConfig, SFTConfig, TrainConf
 from artrl.model import TrainableModel, TrainResult
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
+STREAM_MIN_TIMEOUT_S = 15.0  # a streamed call's wait between two lines, at least (the server: one every 5 s)
 SPEC_FIELDS = {"name", "project", "base_model", "lora", "chat_format"}
 
 
@@ -142,9 +143,8 @@ class RemoteBackend:
         from tqdm import tqdm
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        timeout = httpx.Timeout(
-            self.config.timeout_s
-        )  # (between two lines: the server sends one every few s)
+        # (between two lines: the server sends one every 5 s at least)
+        timeout = httpx.Timeout(max(self.config.timeout_s, STREAM_MIN_TIMEOUT_S))
         bar = tqdm(desc=label, unit="row", disable=not self.config.progress, leave=False)
         try:
             for attempt in range(self.config.retries + 1):
@@ -157,7 +157,7 @@ class RemoteBackend:
                             await response.aread()
                             _raise_refusal(path, response.status_code, _message(response))
                         async for line in response.aiter_lines():
-                            message = json.loads(line) if line.strip() else {}
+                            message = _parsed(line)
                             if "progress" in message:
                                 _show(bar, label, message["progress"])
                             elif "error" in message:
@@ -203,6 +203,19 @@ class RemoteBackend:
         if response.status_code >= 400:
             _raise_refusal(path, response.status_code, _message(response))
         return response.content if raw else response.json()
+
+
+def _parsed(line: str) -> dict[str, Any]:
+    """One line of a streamed answer ({} for a blank one); a garbled line is a broken connection (resent)."""
+    if not line.strip():
+        return {}
+    try:
+        message = json.loads(line)
+    except ValueError:
+        raise httpx.RemoteProtocolError(f"a garbled line in the answer: {line[:200]!r}") from None
+    if not isinstance(message, dict):
+        raise httpx.RemoteProtocolError(f"a garbled line in the answer: {line[:200]!r}")
+    return message
 
 
 def _message(response: httpx.Response) -> str:

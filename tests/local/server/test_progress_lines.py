@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from artrl.local.server.progress_lines import progress_lines
+from artrl.local.server.progress_lines import progress_lines, started
 from artrl.local.server.refusals import Refused
 from artrl.local.train.progress import TrainProgress
 
@@ -55,10 +55,17 @@ async def test_a_refusal_or_a_failure_ends_with_an_error_line(failure, status):
 
 
 async def test_a_client_going_away_leaves_the_call_running():
-    """The stream's own task is cancelled; the call (shielded, as the server's idempotent calls are) is not."""
-    call = asyncio.get_running_loop().create_future()
-    lines = progress_lines(asyncio.shield(call), TrainProgress())
+    """The stream ends with its client; the call it reported on goes on to its end (a resend with the same
+    request id streams it on)."""
+    outcome = asyncio.get_running_loop().create_future()
+
+    async def call() -> dict:
+        return await outcome
+
+    task = started(call())
+    lines = progress_lines(task, TrainProgress())
     await next_line(lines)  # (the first progress line: the stream is running)
     await lines.aclose()
-    assert not call.cancelled()
-    call.set_result({"step": 1})
+    assert not task.done()
+    outcome.set_result({"step": 1})
+    assert await task == {"step": 1}

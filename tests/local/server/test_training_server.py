@@ -284,6 +284,11 @@ async def test_every_tenants_model_trains_over_one_copy_of_the_base(tiny_model_d
         assert sum(len(t) for t in trained) == len(lora)  # (disjoint: each trains its own adapter only)
         with pytest.raises(ValueError, match="full fine-tuning"):
             await hosted.register("a", {**spec, "name": "full", "lora": None})
+        # an adapter on the output head would turn the fused forward off for every tenant: refused
+        head = {**spec, "name": "head", "lora": {"target_modules": ["q_proj", "lm_head"]}}
+        with pytest.raises(ValueError, match="decoder's linear layers"):
+            await hosted.register("a", head)
+        assert len(shared.peft_config) == 3 and hosted.shared.engine._fused is not None
     finally:
         await hosted.close()
 

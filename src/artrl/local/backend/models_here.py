@@ -228,11 +228,13 @@ class ModelsHere:
                 if config.save_rows:
                     await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
                 await self._commits.complete(model, service, directory, step, "train", metrics)
-                service.progress.phase = "idle"
 
             # a cancelled caller still gets the step saved and recorded (its weights change) before it is
             # cancelled: no step trains unrecorded, the next one is numbered after it
-            await to_the_end(whole_step())
+            try:
+                await to_the_end(whole_step())
+            finally:
+                service.progress.phase = "idle"  # (failed or not: no call in flight)
         return TrainResult(step=step, metrics=metrics)
 
     async def train_sft(
@@ -264,9 +266,11 @@ class ModelsHere:
             async def whole_step() -> None:  # (as in train: saved and recorded even when cancelled)
                 metrics.update(await service.train_sft(steps, config))
                 await self._commits.complete(model, service, directory, step, "sft", metrics)
-                service.progress.phase = "idle"
 
-            await to_the_end(whole_step())
+            try:
+                await to_the_end(whole_step())
+            finally:
+                service.progress.phase = "idle"  # (failed or not: no call in flight)
         return TrainResult(step=step, metrics=metrics)
 
     async def export(self, model: TrainableModel, directory: str | os.PathLike[str]) -> None:

@@ -28,7 +28,7 @@ from artrl.local.gateway.protocol import RequestError
 from artrl.local.server.captures import CaptureNotFound, ServerCaptures
 from artrl.local.server.forwarding import Forwarder, Gateways, Inflight
 from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
-from artrl.local.server.progress_lines import progress_lines
+from artrl.local.server.progress_lines import progress_lines, started
 from artrl.local.server.refusals import Refused, error_response
 from artrl.local.server.tenants import ADMIN, Tenants, bearer
 from artrl.storage import latest_step
@@ -108,13 +108,13 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
         streamed = body.pop("stream", False) is True and call in ("train", "train_sft")
         try:
             work = _work(here, model, call, body)
-        except ValueError as exc:  # (pydantic's ValidationError included: trajectories that do not parse)
-            raise Refused(400, str(exc), "invalid_request") from None
+        except (ValueError, TypeError) as exc:  # (pydantic's ValidationError: trajectories that do not parse)
+            raise Refused(400, f"{call}: {exc}", "invalid_request") from None
         if work is None:
             return await _export(here, model)
         answer = _call(hosted.once(tenant, request_id, work))
         if streamed:
-            lines = progress_lines(answer, here.service(model).progress)
+            lines = progress_lines(started(answer), here.service(model).progress)
             return StreamingResponse(lines, media_type="application/x-ndjson")
         return JSONResponse({"result": _plain(await answer)})
 

@@ -35,8 +35,10 @@ class ServerCaptures:
         self.max_open = max_open_per_tenant
         self._open: OrderedDict[str, _Open] = OrderedDict()  # oldest first
         self._closed: dict[str, tuple[str, list[dict[str, Any]], float]] = {}  # id -> tenant, records, when
+        self._closing: dict[str, asyncio.Future] = {}  # id -> its records (a second close waits for them)
 
     def open(self, tenant: str) -> str:
+        self._forget_old_closed()
         mine = [key for key, capture in self._open.items() if capture.tenant == tenant]
         for key in mine[: max(0, len(mine) + 1 - self.max_open)]:
             del self._open[key]
@@ -71,21 +73,35 @@ class ServerCaptures:
         key: str,
         close_there: Callable[[str, str], Awaitable[list[dict[str, Any]]]],
     ) -> list[dict[str, Any]]:
-        """Every record of the block, model by model; the same again for a close asked again meanwhile."""
+        """Every record of the block, model by model; the same again for a close asked again (meanwhile, or a
+        while after). A close that fails leaves the capture open: asked again, it closes it (a gateway asked
+        again for a capture it closed answers its records again)."""
         self._forget_old_closed()
         closed = self._closed.get(key)
         if closed is not None and closed[0] == tenant:
             return closed[1]
         self.check(tenant, key)
-        capture = self._open.pop(key)
-        records: list[dict[str, Any]] = []
-        for model, pending in capture.models.items():
-            try:
-                gateway_key = await pending
-            except Exception:  # (never opened there: nothing recorded)
-                continue
-            records += await close_there(model, gateway_key)
-        self._closed[key] = (tenant, records, time.monotonic())
+        closing = self._closing.get(key)
+        if closing is None:
+            closing = self._closing[key] = asyncio.ensure_future(self._close(key, close_there))
+        return await asyncio.shield(closing)
+
+    async def _close(
+        self, key: str, close_there: Callable[[str, str], Awaitable[list[dict[str, Any]]]]
+    ) -> list[dict[str, Any]]:
+        capture = self._open[key]
+        try:
+            records: list[dict[str, Any]] = []
+            for model, pending in capture.models.items():
+                try:
+                    gateway_key = await pending
+                except Exception:  # (never opened there: nothing recorded)
+                    continue
+                records += await close_there(model, gateway_key)
+        finally:
+            del self._closing[key]
+        del self._open[key]
+        self._closed[key] = (capture.tenant, records, time.monotonic())
         return records
 
     def _forget_old_closed(self) -> None:

@@ -15,12 +15,15 @@ from typing import Any
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig
 from artrl.local.engine.hf.adapter_engine import AdapterEngine
 from artrl.local.engine.hf.engine import HFEngine
+from artrl.local.engine.hf.fused_decode import FusedDecode
 from artrl.local.models.loading import LOADING, context_length, load_model_and_tokenizer
 from artrl.local.service.service import LocalService
 from artrl.local.train.adapters import add_adapter, attach_adapter
 from artrl.local.train.trainer import Trainer
 
-JOB_TIMEOUT_S = 600.0  # adding an adapter and building its trainer wait behind the engine's running jobs
+# what the fused CPU forward computes per adapter (adapter_factors.py); an adapter elsewhere (the embeddings,
+# the output head) would turn that forward off for every model, so the server refuses it where it runs
+FUSED_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
 class SharedModel:
@@ -31,6 +34,7 @@ class SharedModel:
         self.engine: HFEngine | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._fused = False  # whether the engine runs the fused CPU forward (known once the base is loaded)
 
     @property
     def model(self) -> Any:
@@ -80,7 +84,7 @@ class SharedModel:
             remove=lambda: _remove(model, adapter),
         )
         try:
-            trainer = engine.call(build_trainer, adapter=adapter).result(JOB_TIMEOUT_S)
+            trainer = engine.call(build_trainer, adapter=adapter).result()
             step = int(resume_from.name) if resume_from is not None and resume_from.name.isdigit() else 0
             tokenizer = copy.deepcopy(
                 self._tokenizer
@@ -89,7 +93,7 @@ class SharedModel:
                 served_name, model, tokenizer, view, engine_config, gateway_config, chat_format, step
             )
         except BaseException:
-            engine.forget_adapter(adapter, lambda: _remove(model, adapter)).result(JOB_TIMEOUT_S)
+            engine.forget_adapter(adapter, lambda: _remove(model, adapter)).result()
             raise
         service.trainer = trainer
         return service
@@ -100,6 +104,8 @@ class SharedModel:
             if self.engine is None:
                 with LOADING:
                     model, self._tokenizer = load_model_and_tokenizer(self.base_model, self.engine_config)
+                    self._fused = self.engine_config.fused_decode and FusedDecode.of(model) is not None
+                    self._check_targets(lora)
                     model = attach_adapter(model, lora, adapter)
                 model.eval()
                 max_context = context_length(model, self.engine_config)
@@ -109,8 +115,26 @@ class SharedModel:
                 )
                 return self.engine, model
             engine, model = self.engine, self._model
-        engine.call(lambda: add_adapter(model, lora, adapter), adapter=adapter).result(JOB_TIMEOUT_S)
+        self._check_targets(lora)
+
+        def add() -> None:
+            add_adapter(model, lora, adapter)
+            try:
+                engine.check_adapter(adapter)
+            except ValueError:
+                _remove(model, adapter)
+                raise
+
+        engine.call(add, adapter=adapter).result()
         return engine, model
+
+    def _check_targets(self, lora: LoraConfig) -> None:
+        outside = sorted(set(lora.target_modules) - FUSED_TARGETS)
+        if self._fused and outside:
+            raise ValueError(
+                f"this server's models adapt the decoder's linear layers ({', '.join(sorted(FUSED_TARGETS))}); "
+                f"LoraConfig(target_modules=...) also names {outside}"
+            )
 
     async def close(self) -> None:
         if self.engine is not None:

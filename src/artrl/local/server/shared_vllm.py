@@ -21,6 +21,9 @@ from artrl.local.models.shared_base import SharedBase
 from artrl.local.service.service import LocalService
 
 SHARED_MAX_LORAS = 8  # adapters in one vLLM batch, unless VLLMConfig.max_loras says
+SHARED_MAX_CPU_LORAS = (
+    256  # adapters vLLM keeps in memory, unless VLLMConfig.extra_args say (--max-cpu-loras)
+)
 SHARED_MIN_RANK = 32  # the shared server's --max-lora-rank at least this (models register with their own)
 BASE_NAME = "artrl-base"  # the base weights' name on the shared server
 
@@ -88,11 +91,17 @@ class SharedVLLM:
 
             own = self.engine_config.vllm
             rank = own.max_lora_rank or lora_rank_limit(max(lora.rank, SHARED_MIN_RANK))
+            # every model's latest adapters stay in vLLM's CPU cache (an evicted one is read again from its
+            # checkpoint folder, which checkpoint retention may have deleted)
+            cpu = (
+                () if "--max-cpu-loras" in own.extra_args else ("--max-cpu-loras", str(SHARED_MAX_CPU_LORAS))
+            )
             started = own.model_copy(
                 update={
                     "api_key": own.api_key or secrets.token_urlsafe(32),
                     "max_loras": own.max_loras or SHARED_MAX_LORAS,
                     "max_lora_rank": rank,
+                    "extra_args": (*own.extra_args, *cpu),
                 }
             )
             config = self.engine_config.model_copy(update={"vllm": started})

@@ -200,9 +200,9 @@ class Trainer:
         batch.trainer_logprobs = [[] for _ in batch.rows]
         batch.before_update = [False for _ in batch.rows]
         total = GRPOTotals()
-        self._begin(config)
         self.progress.start(len(batch.rows))
         try:
+            self._begin(config)  # (inside: a failing start still ends in eval mode, its swaps undone)
             for k, rows in enumerate(slices):
                 if not rows:
                     continue
@@ -241,9 +241,9 @@ class Trainer:
         started = time.perf_counter()
         loss = entropy_sum = weight = grad_norm = 0.0
         done = 0
-        self._begin(config)
         self.progress.start(sum(len(rows) for rows in steps))
         try:
+            self._begin(config)
             for rows in filter(None, steps):
                 normaliser = _normaliser(rows)
                 step_loss = 0.0

@@ -25,11 +25,12 @@ def adapter_names(base: Any) -> set[str]:
     return {name for module in base.modules() if hasattr(module, "lora_A") for name in module.lora_A}
 
 
-def adapter_factors(base: Any, adapter: str, dtype: torch.dtype) -> Factors:
-    """Per decoder layer, for its 4 products: `adapter`'s (A (Σr, in), s·B (Σout, Σr)) in `dtype`, or a pair
-    of empty tensors where it adapts none of the product's modules."""
+def adapter_factors(base: Any, adapter: str) -> Factors:
+    """Per decoder layer, for its 4 products: `adapter`'s (A (Σr, in), s·B (Σout, Σr)) in fp32 (the fused
+    forward computes the low-rank product in fp32 and rounds once, as PEFT's adapter in fp32 does), or a
+    pair of empty tensors where it adapts none of the product's modules."""
     for outer in (base.lm_head, base.model.embed_tokens):
-        if hasattr(outer, "lora_A") and adapter in outer.lora_A:
+        if adapter in getattr(outer, "lora_A", {}) or adapter in getattr(outer, "lora_embedding_A", {}):
             raise TypeError("an adapter on the embeddings or the output head")
     factors: Factors = []
     for block in base.model.layers:
@@ -40,11 +41,11 @@ def adapter_factors(base: Any, adapter: str, dtype: torch.dtype) -> Factors:
             [mlp.gate_proj, mlp.up_proj],
             [mlp.down_proj],
         ):
-            factors.append(_joined(modules, adapter, dtype))
+            factors.append(_joined(modules, adapter))
     return factors
 
 
-def _joined(modules: list[Any], adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _joined(modules: list[Any], adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
     a_parts, b_parts, adapted = [], [], False
     for module in modules:
         base = getattr(module, "base_layer", module)
@@ -69,10 +70,10 @@ def _joined(modules: list[Any], adapter: str, dtype: torch.dtype) -> tuple[torch
         b_parts.append(lora_b.weight.detach().float() * float(module.scaling[adapter]))  # (out, r)
         adapted = True
     if not adapted:
-        empty = torch.empty(0, dtype=dtype, device=a_parts[0].device)
+        empty = torch.empty(0, device=a_parts[0].device)
         return empty, empty
-    a = torch.cat(a_parts).to(dtype).contiguous()  # (Σr, in)
-    b = torch.block_diag(*b_parts).to(dtype).contiguous()  # (Σout, Σr)
+    a = torch.cat(a_parts).contiguous()  # (Σr, in)
+    b = torch.block_diag(*b_parts).contiguous()  # (Σout, Σr)
     return a, b
 
 

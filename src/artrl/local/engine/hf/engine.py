@@ -232,11 +232,24 @@ class HFEngine:
             with torch.inference_mode():  # (the batch's cache tensors are inference tensors)
                 self._steps.drop_finished()
             self.prefix_cache.clear_adapter(adapter)
+            self._turns.pop(adapter, None)
             if self._fused is not None:
                 self._fused.stale(adapter)  # (its factors dropped at the next build)
             return remove()
 
         return self.call(forget, changes_weights=False, adapter=adapter)
+
+    def check_adapter(self, adapter: str) -> None:
+        """ValueError when the model's `adapter` cannot run in this engine's forward (on the engine thread: a
+        job's; one adapter the fused forward cannot compute would turn it off for every adapter)."""
+        if self._fused is None:
+            return
+        try:
+            self._fused.check_adapter(adapter)
+        except TypeError as exc:
+            raise ValueError(
+                f"this engine serves adapters of the decoder's linear layers (q/k/v/o, gate/up/down): {exc}"
+            ) from None
 
     def _next_jobs(self) -> list[_Job]:
         """The jobs to run before the next token step: all of them, or (adapters=True) the one of the adapter

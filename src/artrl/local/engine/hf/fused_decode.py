@@ -134,6 +134,7 @@ class FusedDecode:
         self._adapters = adapters  # rows of several adapters: base products + each adapter's factors
         self._factors: dict[str, Factors] = {}
         self._dirty: set[str] = set()  # adapters whose factors are to be (re)built
+        self._dtype = next(base.parameters()).dtype
         config = base.config
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads
@@ -175,6 +176,10 @@ class FusedDecode:
             log.info("decode steps and prefills through the transformers forward: %s", why)
             return None
         return cls(base, adapters=adapters)
+
+    def check_adapter(self, adapter: str) -> None:
+        """TypeError when `adapter` (on the model) cannot run in this forward (adapters=True)."""
+        adapter_factors(self._base, adapter)
 
     @property
     def ready(self) -> bool:
@@ -219,10 +224,9 @@ class FusedDecode:
             self._build_products()
             self._factors, self._dirty = {}, adapter_names(self._base) if self._adapters else set()
         present = adapter_names(self._base) if self._dirty else set()
-        dtype = self._base.model.embed_tokens.weight.dtype
         for name in sorted(self._dirty):
             if name in present:
-                self._factors[name] = adapter_factors(self._base, name, dtype)
+                self._factors[name] = adapter_factors(self._base, name)
             else:
                 self._factors.pop(name, None)
         self._dirty = set()
@@ -286,7 +290,7 @@ class FusedDecode:
         """The scripted layers' lora_a, lora_b and masks for rows of these adapters ([] x 3: none)."""
         if not self._adapters or adapters is None:
             return [], [], []
-        names, masks = row_masks(adapters, self._base.model.embed_tokens.weight.dtype, device)
+        names, masks = row_masks(adapters, self._dtype, device)
         lora_a = [a for name in names for a, _ in self._factors[name]]
         lora_b = [b for name in names for _, b in self._factors[name]]
         return lora_a, lora_b, masks
@@ -349,7 +353,8 @@ class FusedDecode:
     def _start(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         """The embeddings (B, L, E) and the rotary factors for the positions, as (B, L, 1, D) cos and signed sin."""
         inner = self._base.model
-        hidden = inner.embed_tokens(ids)  # (B, L, E)
+        embed = inner.embed_tokens
+        hidden = getattr(embed, "base_layer", embed)(ids)  # (B, L, E) (adapters: never on the embeddings)
         cos, sin = inner.rotary_emb(hidden, positions)  # (B, L, D) each
         half = self._head_dim // 2
         # rotate_half(x)·sin = roll(x, half)·(-sin₁, sin₂): the same products, no concatenation per layer

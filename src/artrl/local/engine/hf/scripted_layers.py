@@ -44,7 +44,7 @@ def _adapted(
     for group in range(len(masks)):
         a = lora_a[group * products + at]
         if a.numel() > 0:
-            low = F.linear(F.linear(x, a), lora_b[group * products + at])
+            low = F.linear(F.linear(x.float(), a), lora_b[group * products + at]).to(y.dtype)
             mask = masks[group]
             y = y + low if mask.numel() == 0 else y + low * mask
     return y
