@@ -308,8 +308,8 @@ def greedy_reference(base_dir: Path, checkpoint: Path | None, prompt_ids: list[i
 
 async def test_each_tenants_served_model_changes_only_with_its_own_steps(tiny_model_dir, tmp_path):
     """Greedy answers of three tenants' models on one base: 'a' trains a step while 'b' and 'c' sample, then
-    'b' trains one. Each model's answer is, token for token, the answer of the base with its own latest
-    checkpoint alone (none yet: the base's), whatever the others did."""
+    'b' trains one, then all three train at once. Each model's answer is, token for token, the answer of the
+    base with its own latest checkpoint alone (none yet: the base's), whatever the others did."""
     from artrl.local.engine.vllm.server import free_port
 
     keys = tmp_path / "keys"
@@ -353,6 +353,14 @@ async def test_each_tenants_served_model_changes_only_with_its_own_steps(tiny_mo
         assert await matches_its_checkpoint(1, 1) != before[1]
         assert await matches_its_checkpoint(0, 1) == after_a
         assert await matches_its_checkpoint(2, 0) == before[2]
+        # the three at once: steps a2, b2, c1 taking turns on the one engine, each its own
+        groups = [await scored_groups(m, 4) for m in models]
+        config = artrl.TrainConfig(learning_rate=5e-2)
+        steps = await asyncio.gather(*(m.train(g, config) for m, g in zip(models, groups, strict=True)))
+        assert [r.step for r in steps] == [2, 2, 1]
+        assert all(r.metrics["queue_seconds"] >= 0 for r in steps)
+        for i, step in enumerate((2, 2, 1)):
+            await matches_its_checkpoint(i, step)
     finally:
         process.terminate()
         process.wait(60)
