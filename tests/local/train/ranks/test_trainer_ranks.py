@@ -435,8 +435,11 @@ class SlowTrainer:
         return TrainerRanks.run(self, call, engine)  # type: ignore[arg-type]
 
     def __init__(self) -> None:
+        from artrl.local.train.progress import TrainProgress
+
         self.started, self.release = threading.Event(), threading.Event()
         self.closed = self.loaded = False
+        self.progress = TrainProgress()
 
     def step(self, batch, config) -> dict[str, float]:
         self.started.set()
