@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --no-compile "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' || true
 fi
 echo "installing artrl and its dependencies ..."
-.venv/bin/python -m pip install -q --no-compile -e ".[local,dev,examples,mcp,trackers]" 2>&1 | grep -v '^WARNING: Location' || true
+.venv/bin/python -m pip install -q --no-compile -e ".[local,dev,examples,mcp,trackers,tinker]" 2>&1 | grep -v '^WARNING: Location' || true
 # bytecode compiled on every core (pip compiles one file at a time: ~45 s more here); without it, a machine
 # with PYTHONDONTWRITEBYTECODE set would compile torch's modules again at every import
 .venv/bin/python -m compileall -qq -j 0 .venv/lib >/dev/null 2>&1 || true  # (a few packages ship files that do not compile)

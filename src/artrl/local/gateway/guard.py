@@ -30,6 +30,8 @@ from artrl.local.gateway.in_process import IN_PROCESS
 
 # headers a browser sends to another site only after a CORS preflight (which nothing here answers)
 _PREFLIGHTED = ("authorization", "x-api-key", CAPTURE_HEADER.lower())
+# body types a web page cannot send another site without a CORS preflight (the Tinker SDK's protobuf too)
+_PREFLIGHTED_TYPES = ("application/json", "application/x-protobuf")
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -118,7 +120,7 @@ class Guard:
         if rules.json_posts and scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
-            if kind != "application/json" and (
+            if kind not in _PREFLIGHTED_TYPES and (
                 kind
                 or has_body
                 or path.endswith("/chat/completions")

@@ -31,6 +31,7 @@ from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
 from artrl.local.server.progress_lines import progress_lines, started
 from artrl.local.server.refusals import Refused, error_response
 from artrl.local.server.tenants import ADMIN, Tenants, bearer
+from artrl.local.server.tinker.routes import tinker_router
 from artrl.storage import latest_step
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -77,6 +78,8 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
         return error_response(
             500, f"internal error ({type(exc).__name__}); see the server's log", "internal_error"
         )
+
+    app.include_router(tinker_router(hosted, lambda request: _tenant(request, tenants), limit))
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The Tinker losses (train/tinker_losses.py) against artrl's own objectives (train/loss.py): with artrl's
+"""The Tinker losses (train/tinker/losses.py) against artrl's own objectives (train/loss.py): with artrl's
 normalisation folded into the per-token inputs, value and gradient agree (float64, to 1e-12), and bad
 requests say what the loss needs."""
 
@@ -9,7 +9,7 @@ import torch
 
 from artrl.config import TrainConfig
 from artrl.local.train.loss import policy_loss, sft_loss
-from artrl.local.train.tinker_losses import tinker_loss
+from artrl.local.train.tinker.losses import tinker_loss
 
 B, T = 3, 7
 

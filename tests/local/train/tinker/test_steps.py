@@ -1,4 +1,4 @@
-"""The Tinker API's training calls on artrl's trainer (train/tinker_steps.py): forward_backward then
+"""The Tinker API's training calls on artrl's trainer (train/tinker/steps.py): forward_backward then
 optim_step on the same tokens, behaviour logprobs and advantages (artrl's normalisation folded into the
 per-token advantages) is one artrl training step — the same logprobs, loss and trained weights (fp32,
 tolerances below); gradients add up across forward_backward calls until optim_step; bad datums are refused
@@ -17,7 +17,7 @@ from artrl.config import LoraConfig, TrainConfig
 from artrl.local.train.adapters import attach_adapter
 from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.rows import Row
-from artrl.local.train.tinker_steps import TinkerSteps, TokenDatum
+from artrl.local.train.tinker.steps import TinkerSteps, TokenDatum
 from artrl.local.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # (the tiny model, trained: ~10 s a test on 2 cores)

@@ -1,5 +1,5 @@
 """The Tinker API's training calls on an artrl `Trainer`'s model and optimizer (issue 42): `forward`,
-`forward_backward` (a built-in loss of `tinker_losses.py` on datums, gradients added to what earlier calls
+`forward_backward` (a built-in loss of `losses.py` on datums, gradients added to what earlier calls
 left) and `optim_step` (AdamW with the parameters the call gives, then the gradients cleared). A datum is
 its model input's token ids and, per input position t, its loss inputs: `target_tokens[t]` (the token
 position t predicts), `weights`, `logprobs`, `advantages`.
@@ -19,7 +19,7 @@ import torch
 
 from artrl.local.train.pack import collate, pack
 from artrl.local.train.rows import NO_LOGPROB, Row
-from artrl.local.train.tinker_losses import INPUTS, tinker_loss
+from artrl.local.train.tinker.losses import INPUTS, tinker_loss
 
 MICRO_BATCH_TOKENS = 4096  # padded tokens of one forward and backward at most (cf. TrainConfig)
 

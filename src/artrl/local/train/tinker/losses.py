@@ -18,7 +18,7 @@ Notation, per token t (tensors (B, T), padding: zero weights and advantages):
 artrl's own objectives are these with its normalisation folded into the per-token inputs (`loss.py`):
 its SFT loss is cross_entropy with weights w·m/N, its PPO-clip ppo with advantages A·w·m/N and thresholds
 1 - clip_low, 1 + clip_high (min(r·cA, clip(r)·cA) = c·min(r·A, clip(r)·A) for c >= 0), its CISPO cispo with
-lo = 0 (tests/local/train/test_tinker_losses.py checks each, value and gradient).
+lo = 0 (tests/local/train/tinker/test_losses.py checks each, value and gradient).
 """
 
 from __future__ import annotations

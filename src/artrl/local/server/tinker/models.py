@@ -1,0 +1,113 @@
+"""Tinker sessions and training clients of the server's tenants. A training client is one of the server's
+hosted models (project `tinker`): its own LoRA adapter on the shared model, trained by `TinkerSteps` on the
+engine's thread with its adapter active; its calls run in the order the SDK numbers them (`seq_id`: each
+waits for the one before), and a resubmitted call is the same call."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from artrl.local.server.hosted import HostedModels
+from artrl.local.server.tinker.futures import Futures, UserError
+from artrl.local.train.tinker.steps import TinkerSteps
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class TinkerModels:
+    def __init__(self, hosted: HostedModels) -> None:
+        self.hosted = hosted
+        self.futures = Futures()
+        self._sessions: dict[str, str] = {}  # session id -> tenant
+        self._models: dict[str, tuple[str, str, int]] = {}  # model id -> tenant, hosted name, rank
+        self._last: dict[str, asyncio.Future] = {}  # model id -> its latest call (the next one waits for it)
+
+    def create_session(self, tenant: str) -> str:
+        session = f"sess-{secrets.token_hex(6)}"
+        self._sessions[session] = tenant
+        return session
+
+    def check_session(self, tenant: str, session: str) -> None:
+        if self._sessions.get(session) != tenant:
+            raise UserError(f"no session {session!r} of this key (create_session first)")
+
+    async def create_model(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        session = str(body.get("session_id"))
+        self.check_session(tenant, session)
+        model_id = f"{session}:train:{int(body.get('model_seq_id', 0))}"
+        base = body.get("base_model")
+        if base != self.hosted.config.base_model:
+            raise UserError(
+                f"this server trains LoRA adapters of {self.hosted.config.base_model!r} (asked: {base!r})"
+            )
+        lora = body.get("lora_config") or {}
+        rank = int(lora.get("rank", 32))
+        targets = (
+            *(ATTENTION if lora.get("train_attn", True) else ()),
+            *(MLP if lora.get("train_mlp", True) else ()),
+        )
+        if not targets:
+            raise UserError("lora_config trains neither attention nor MLP layers: nothing to train")
+        # (train_unembed: the output head stays the base's here, its adapter would slow every tenant's rows)
+        spec = {
+            "name": f"tinker-{session.removeprefix('sess-')}-{model_id.rsplit(':', 1)[1]}",
+            "project": "tinker",
+            "base_model": base,
+            "lora": {"rank": rank, "alpha": float(rank), "target_modules": list(targets)},
+        }
+        model = await self.hosted.register(tenant, spec)
+        self._models[model_id] = (tenant, model.name, rank)
+        return {"model_id": model_id, "type": "create_model"}
+
+    def info(self, tenant: str, model_id: str) -> dict[str, Any]:
+        _, _, rank = self._find(tenant, model_id)
+        base = self.hosted.config.base_model
+        return {
+            "model_id": model_id,
+            "model_data": {"arch": "artrl", "model_name": base, "tokenizer_id": base},
+            "is_lora": True,
+            "lora_rank": rank,
+            "optimizer_config": {"type": "adamw"},
+            "type": "get_info",
+        }
+
+    def in_order(
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int,
+        work: Callable[[TinkerSteps], Any],
+        changes_weights: bool = True,
+    ) -> str:
+        """Submit `work(steps)` as the model's call `seq_id` (after its calls before): its request id (the
+        first submit's, for a resubmit)."""
+        _, name, _ = self._find(tenant, model_id)
+        key = ("model", model_id, seq_id)
+        known = self.futures.known(tenant, key)
+        if known is not None:
+            return known
+        here, model = self.hosted.find(tenant, name)
+        service = here.service(model)
+        before = self._last.get(model_id)
+
+        async def call() -> Any:
+            if before is not None:
+                await asyncio.wait([before])  # (its outcome is its own caller's)
+            steps = TinkerSteps(service.trainer)
+            return await service.run_exclusive(lambda: work(steps), changes_weights=changes_weights)
+
+        request_id = self.futures.submit(tenant, call(), key)
+        self._last[model_id] = self.futures.task(request_id)
+        return request_id
+
+    def _find(self, tenant: str, model_id: str) -> tuple[str, str, int]:
+        found = self._models.get(model_id)
+        if found is None or found[0] != tenant:
+            raise UserError(
+                f"no training client {model_id!r} of this key (create_lora_training_client first)"
+            )
+        return found

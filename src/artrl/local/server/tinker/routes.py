@@ -1,0 +1,163 @@
+"""The Tinker API's routes (`/api/v1/...`) on the training server, as the `tinker` SDK calls them: its
+start-up (client config, session, heartbeats, telemetry, finish), LoRA training clients (create_model,
+get_info), forward / forward_backward (protobuf) and optim_step through futures (retrieve_future), health and
+capabilities. The key is the tenant's (`X-API-Key`; the SDK wants keys that start with `tml-`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from artrl.local.gateway.calls import bounded_body
+from artrl.local.gateway.dialects.dialect import json_body
+from artrl.local.server.hosted import HostedModels, OverLimit
+from artrl.local.server.tinker.futures import UserError
+from artrl.local.server.tinker.models import TinkerModels
+from artrl.local.server.tinker.wire import forward_backward_output, read_forward_backward
+
+CLIENT_CONFIG = {  # what this server serves of the SDK's options (see ../shared/notes/tinker-sdk.md)
+    "pjwt_auth_enabled": False,
+    "use_pyqwest_transport": False,
+    "proto_compress_fwdbwd": False,
+    "parallel_fwdbwd_chunks": False,  # (chunks in seq order: every call of a model runs in turn)
+    "sample_use_retrieve_futures": False,
+    "sample_join_sampling_session": False,
+    "custom_loss_server_side": False,
+}
+
+
+def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], limit: int) -> APIRouter:
+    models = TinkerModels(hosted)
+    router = APIRouter(prefix="/api/v1")
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        return json_body(await bounded_body(request, limit) or b"{}")
+
+    def user_error(exc: Exception) -> JSONResponse:
+        return JSONResponse({"error": str(exc), "category": "user"}, status_code=400)
+
+    @router.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @router.get("/get_server_capabilities")
+    async def capabilities(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        model = {"model_name": hosted.config.base_model, "trainable": True, "sampleable": False}
+        return {"supported_models": [model]}
+
+    @router.post("/client/config")
+    async def client_config(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        return CLIENT_CONFIG
+
+    @router.post("/create_session")
+    async def create_session(request: Request) -> dict[str, Any]:
+        tenant = tenant_of(request)
+        return {"session_id": models.create_session(tenant), "type": "create_session"}
+
+    @router.post("/session_heartbeat")
+    async def heartbeat(request: Request) -> Response:
+        tenant = tenant_of(request)
+        try:
+            models.check_session(tenant, str((await body_of(request)).get("session_id")))
+        except UserError:
+            return JSONResponse({"error": "session finished or unknown"}, status_code=410)
+        return JSONResponse({"type": "session_heartbeat"})
+
+    @router.post("/telemetry")
+    async def telemetry(request: Request) -> dict[str, str]:
+        tenant_of(request)
+        return {"status": "accepted"}  # (not kept: the server's own history records the training)
+
+    @router.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        return {}
+
+    @router.post("/create_model")
+    async def create_model(request: Request) -> Response:
+        tenant = tenant_of(request)
+        body = await body_of(request)
+        try:
+            models.check_session(tenant, str(body.get("session_id")))
+        except UserError as exc:
+            return user_error(exc)
+        key = ("create", body.get("session_id"), body.get("model_seq_id"))
+        request_id = models.futures.known(tenant, key) or models.futures.submit(
+            tenant, _created(models, tenant, body), key
+        )
+        return JSONResponse({"request_id": request_id})
+
+    @router.post("/get_info")
+    async def get_info(request: Request) -> Response:
+        tenant = tenant_of(request)
+        try:
+            return JSONResponse(models.info(tenant, str((await body_of(request)).get("model_id"))))
+        except UserError as exc:
+            return user_error(exc)
+
+    @router.post("/forward_backward")
+    async def forward_backward(request: Request) -> Response:
+        tenant = tenant_of(request)
+        try:
+            call = read_forward_backward(await bounded_body(request, limit))
+            request_id = models.in_order(
+                tenant,
+                call.model_id,
+                call.seq_id,
+                lambda steps: forward_backward_output(
+                    *steps.forward_backward(call.data, call.loss_fn, call.config, call.forward_only)
+                ),
+                changes_weights=False,
+            )
+        except (UserError, ValueError) as exc:
+            return user_error(exc)
+        return JSONResponse({"request_id": request_id, "model_id": call.model_id})
+
+    @router.post("/optim_step")
+    async def optim_step(request: Request) -> Response:
+        tenant = tenant_of(request)
+        body = await body_of(request)
+        adam = dict(body.get("adam_params") or {})
+        try:
+            settings = {
+                "learning_rate": float(adam.pop("learning_rate")),
+                **{
+                    k: float(adam.pop(k))
+                    for k in ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+                    if k in adam
+                },
+            }
+            if body.get("optimizer_params") is not None or adam:
+                raise UserError(
+                    f"this server's optimizer is AdamW; unknown settings {sorted(adam) or 'optimizer_params'}"
+                )
+            request_id = models.in_order(
+                tenant,
+                str(body.get("model_id")),
+                int(body.get("seq_id", 0)),
+                lambda steps: {"metrics": steps.optim_step(**settings)},
+            )
+        except KeyError:
+            return user_error(ValueError("optim_step needs adam_params.learning_rate"))
+        except (UserError, ValueError, TypeError) as exc:
+            return user_error(exc)
+        return JSONResponse({"request_id": request_id})
+
+    @router.post("/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        tenant = tenant_of(request)
+        return await models.futures.retrieve(tenant, str((await body_of(request)).get("request_id")))
+
+    return router
+
+
+async def _created(models: TinkerModels, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return await models.create_model(tenant, body)
+    except OverLimit as exc:
+        raise UserError(str(exc)) from None

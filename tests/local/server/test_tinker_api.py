@@ -1,0 +1,74 @@
+"""The Tinker API on `artrl server`, driven by the unmodified `tinker` SDK (pinned in pyproject's `tinker`
+extra): a LoRA training client on the server's base, a supervised loop (forward_backward with cross_entropy,
+optim_step) whose loss falls, forward that changes nothing, and refusals in the SDK's own error types."""
+
+from __future__ import annotations
+
+import pytest
+from test_training_server import start_server
+
+pytestmark = pytest.mark.slow  # (a server process; ~20 s)
+
+KEY = "tml-alice-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def tinker_server(tiny_model_dir, tmp_path_factory):
+    from artrl.local.engine.vllm.server import free_port
+
+    folder = tmp_path_factory.mktemp("tinker")
+    (folder / "keys").write_text(f"alice {KEY}\n")
+    port = free_port()
+    process = start_server(tiny_model_dir, folder, port, folder / "keys")
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(60)
+
+
+def sentence_datum(tinker, tokenizer):
+    import numpy as np
+
+    tokens = tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    return tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.asarray(tokens[1:], np.int64),
+            "weights": np.ones(len(tokens) - 1, np.float32),
+        },
+    ), len(tokens) - 1
+
+
+def test_a_supervised_loop_through_the_sdk_lowers_the_loss(tinker_server, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    import tinker
+
+    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+    training = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=8).result()
+    assert training.get_info().lora_rank == 8
+    datum, n = sentence_datum(tinker, training.get_tokenizer())
+    before = training.forward([datum], "cross_entropy").result()
+    losses = []
+    for _ in range(8):
+        step = training.forward_backward([datum], "cross_entropy")
+        training.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result()
+        losses.append(step.result().metrics["loss:sum"])
+    assert before.metrics["loss:sum"] == pytest.approx(losses[0], rel=1e-4)  # (forward trained nothing)
+    assert losses[-1] < 0.93 * losses[0] and min(losses[1:]) < losses[0], losses
+    logprobs = step.result().loss_fn_outputs[0]["logprobs"]
+    assert len(logprobs.tolist()) == n
+
+
+def test_refusals_come_back_as_the_sdks_errors(tinker_server, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    import tinker
+
+    wrong = tinker.ServiceClient(base_url=tinker_server, api_key="tml-not-a-tenant-key-000")
+    with pytest.raises(tinker.AuthenticationError):
+        wrong.create_lora_training_client(base_model=str(tiny_model_dir), rank=8).result()
+    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+    with pytest.raises(tinker.RequestFailedError, match="trains LoRA adapters of"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-4B", rank=8).result()
+    training = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=8).result()
+    datum, _ = sentence_datum(tinker, training.get_tokenizer())
+    with pytest.raises(tinker.RequestFailedError, match="dro"):
+        training.forward_backward([datum], "dro").result()
