@@ -72,3 +72,38 @@ def test_refusals_come_back_as_the_sdks_errors(tinker_server, tiny_model_dir, mo
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
     with pytest.raises(tinker.RequestFailedError, match="dro"):
         training.forward_backward([datum], "dro").result()
+
+
+def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, tiny_model_dir, monkeypatch):
+    """A step from a saved state, then the state loaded back (with its optimizer) and the same step again:
+    the same loss after it, exactly; the weights alone (load_state) give the saved state's loss back."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    import tinker
+
+    training = (
+        tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+        .create_lora_training_client(base_model=str(tiny_model_dir), rank=8)
+        .result()
+    )
+    datum, _ = sentence_datum(tinker, training.get_tokenizer())
+    adam = tinker.types.AdamParams(learning_rate=2e-2)
+
+    def step_then_loss() -> float:
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(adam).result()
+        return training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+
+    step_then_loss()  # (an optimizer with some state)
+    saved = training.save_state("c1").result().path
+    assert saved.endswith("/weights/c1")
+    at_save = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    first = step_then_loss()
+    training.load_state_with_optimizer(saved).result()
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == at_save
+    assert step_then_loss() == first
+    training.load_state(saved).result()
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == at_save
+    sampler = training.save_weights_for_sampler("s1").result().path
+    assert sampler.endswith("/sampler_weights/s1")
+    with pytest.raises(tinker.BadRequestError, match="checkpoint path"):
+        training.load_state("tinker://elsewhere/weights").result()

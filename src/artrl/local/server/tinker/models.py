@@ -6,14 +6,19 @@ waits for the one before), and a resubmitted call is the same call."""
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from artrl.local.server.hosted import HostedModels
 from artrl.local.server.tinker.futures import Futures, UserError
+from artrl.local.train.adapters import load_adapter, save_weights
 from artrl.local.train.tinker.steps import TinkerSteps
 
+KINDS = ("weights", "sampler_weights")  # a training state (adapter + optimizer), an adapter for sampling
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -103,6 +108,52 @@ class TinkerModels:
         request_id = self.futures.submit(tenant, call(), key)
         self._last[model_id] = self.futures.task(request_id)
         return request_id
+
+    def save(self, tenant: str, body: dict[str, Any], kind: str) -> str:
+        """Submit a save of the model's state (`weights`: adapter and optimizer; `sampler_weights`: the
+        adapter) under `body["path"]`, a PEFT folder in the model's run folder: its request id."""
+        model_id, name = str(body.get("model_id")), str(body.get("path"))
+        if not _NAME.fullmatch(name):
+            raise UserError(f"a checkpoint name is 1-128 letters, digits, '.', '-' or '_' (got {name!r})")
+        folder = self._folder(tenant, model_id) / kind / name
+        if folder.exists() and not body.get("overwrite", kind == "sampler_weights"):
+            raise UserError(f"checkpoint {name!r} exists (save it with overwrite=True, or another name)")
+        path = f"tinker://{model_id}/{kind}/{name}"
+
+        def write(steps: TinkerSteps) -> dict[str, Any]:
+            folder.mkdir(parents=True, exist_ok=True)
+            if kind == "weights":
+                steps.trainer.save(str(folder))
+            else:
+                save_weights(steps.trainer.model, str(folder))
+            return {"path": path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
+
+        return self.in_order(tenant, model_id, int(body.get("seq_id", 0)), write, changes_weights=False)
+
+    def load(self, tenant: str, body: dict[str, Any]) -> str:
+        """Submit a load of a saved training state into the model (its optimizer's too when asked)."""
+        model_id, path = str(body.get("model_id")), str(body.get("path"))
+        parts = path.removeprefix("tinker://").split("/")
+        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in KINDS:
+            raise UserError(f"a checkpoint path is tinker://MODEL_ID/weights/NAME (got {path!r})")
+        folder = self._folder(tenant, parts[0]) / parts[1] / parts[2]  # (this tenant's models only)
+        if not (folder / "adapter_model.safetensors").is_file():
+            raise UserError(f"no checkpoint at {path!r}")
+        with_optimizer = bool(body.get("optimizer"))
+
+        def read(steps: TinkerSteps) -> dict[str, Any]:
+            if with_optimizer:
+                steps.trainer.load(str(folder))
+            else:
+                load_adapter(steps.trainer.model, str(folder))
+            return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+        return self.in_order(tenant, model_id, int(body.get("seq_id", 0)), read)
+
+    def _folder(self, tenant: str, model_id: str) -> Path:
+        _, name, _ = self._find(tenant, model_id)
+        here, model = self.hosted.find(tenant, name)
+        return Path(here.directory(model)) / "tinker"
 
     def _find(self, tenant: str, model_id: str) -> tuple[str, str, int]:
         found = self._models.get(model_id)

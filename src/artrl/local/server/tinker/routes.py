@@ -148,6 +148,37 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
             return user_error(exc)
         return JSONResponse({"request_id": request_id})
 
+    @router.post("/save_weights")
+    async def save_weights(request: Request) -> Response:
+        body = await body_of(request)
+        return submitted(lambda: models.save(tenant_of(request), body, "weights"), body)
+
+    @router.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> Response:
+        body = await body_of(request)
+        if not body.get("path"):
+            return user_error(
+                UserError("sampling clients are not served yet: save_weights_for_sampler(name) only")
+            )
+        return submitted(lambda: models.save(tenant_of(request), body, "sampler_weights"), body)
+
+    @router.post("/load_weights")
+    async def load_weights(request: Request) -> Response:
+        body = await body_of(request)
+        if body.get("model_id") is None:
+            return user_error(
+                UserError(
+                    "create_training_client_from_state is not served yet: create a LoRA training client, then load_state"
+                )
+            )
+        return submitted(lambda: models.load(tenant_of(request), body), body)
+
+    def submitted(submit: Callable[[], str], body: dict[str, Any]) -> Response:
+        try:
+            return JSONResponse({"request_id": submit(), "model_id": body.get("model_id")})
+        except (UserError, ValueError, TypeError) as exc:
+            return user_error(exc)
+
     @router.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         tenant = tenant_of(request)
