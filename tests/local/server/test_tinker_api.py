@@ -107,3 +107,27 @@ def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, tiny_mode
     assert sampler.endswith("/sampler_weights/s1")
     with pytest.raises(tinker.BadRequestError, match="checkpoint path"):
         training.load_state("tinker://elsewhere/weights").result()
+
+
+def test_a_custom_loss_trains_through_cross_entropy(tinker_server, tiny_model_dir, monkeypatch):
+    """forward_backward_custom runs the loss on the client and sends its gradients as cross_entropy weights:
+    the negative log-likelihood as a custom loss falls as cross_entropy does."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    import tinker
+
+    training = (
+        tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+        .create_lora_training_client(base_model=str(tiny_model_dir), rank=8)
+        .result()
+    )
+    datum, _ = sentence_datum(tinker, training.get_tokenizer())
+
+    def nll(data, logprobs):
+        loss = -sum(lp.sum() for lp in logprobs)
+        return loss, {"nll": float(loss.detach())}
+
+    before = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    for _ in range(3):
+        training.forward_backward_custom([datum], nll).result()
+        training.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result()
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] < before
