@@ -14,6 +14,7 @@ from typing import Any
 
 from artrl.local.server.hosted import HostedModels
 from artrl.local.server.tinker.futures import Futures, UserError
+from artrl.local.server.tinker.sampling import Sampler
 from artrl.local.train.adapters import load_adapter, save_weights
 from artrl.local.train.tinker.steps import TinkerSteps
 
@@ -30,6 +31,7 @@ class TinkerModels:
         self._sessions: dict[str, str] = {}  # session id -> tenant
         self._models: dict[str, tuple[str, str, int]] = {}  # model id -> tenant, hosted name, rank
         self._last: dict[str, asyncio.Future] = {}  # model id -> its latest call (the next one waits for it)
+        self.samplers: dict[str, Sampler] = {}  # sampling session id -> what samples
 
     def create_session(self, tenant: str) -> str:
         session = f"sess-{secrets.token_hex(6)}"
@@ -149,6 +151,25 @@ class TinkerModels:
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
         return self.in_order(tenant, model_id, int(body.get("seq_id", 0)), read)
+
+    def sampler_of(self, tenant: str, body: dict[str, Any]) -> str:
+        """Submit, in the model's order, a sampling client of its weights: its request id."""
+        model_id = str(body.get("model_id"))
+        _, name, _ = self._find(tenant, model_id)
+        here, model = self.hosted.find(tenant, name)
+        session = model_id.split(":train:")[0]
+        sampler_id = f"{session}:sample:{int(body.get('sampling_session_seq_id', 0))}"
+        self.samplers[sampler_id] = Sampler(tenant, here.service(model))
+        answer = {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+        return self.in_order(
+            tenant, model_id, int(body.get("seq_id", 0)), lambda _: answer, changes_weights=False
+        )
+
+    def sampler(self, tenant: str, sampler_id: str) -> Sampler:
+        found = self.samplers.get(sampler_id)
+        if found is None or found.tenant != tenant:
+            raise UserError(f"no sampling client {sampler_id!r} of this key")
+        return found
 
     def _folder(self, tenant: str, model_id: str) -> Path:
         _, name, _ = self._find(tenant, model_id)

@@ -16,6 +16,7 @@ from artrl.local.gateway.dialects.dialect import json_body
 from artrl.local.server.hosted import HostedModels, OverLimit
 from artrl.local.server.tinker.futures import UserError
 from artrl.local.server.tinker.models import TinkerModels
+from artrl.local.server.tinker.sampling import sample
 from artrl.local.server.tinker.wire import forward_backward_output, read_forward_backward
 
 CLIENT_CONFIG = {  # what this server serves of the SDK's options (see ../shared/notes/tinker-sdk.md)
@@ -46,7 +47,7 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
     @router.get("/get_server_capabilities")
     async def capabilities(request: Request) -> dict[str, Any]:
         tenant_of(request)
-        model = {"model_name": hosted.config.base_model, "trainable": True, "sampleable": False}
+        model = {"model_name": hosted.config.base_model, "trainable": True, "sampleable": True}
         return {"supported_models": [model]}
 
     @router.post("/client/config")
@@ -156,11 +157,46 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> Response:
         body = await body_of(request)
-        if not body.get("path"):
-            return user_error(
-                UserError("sampling clients are not served yet: save_weights_for_sampler(name) only")
-            )
+        if not body.get("path"):  # (save_weights_and_get_sampling_client)
+            return submitted(lambda: models.sampler_of(tenant_of(request), body), body)
         return submitted(lambda: models.save(tenant_of(request), body, "sampler_weights"), body)
+
+    @router.post("/create_sampling_session")
+    async def create_sampling_session(request: Request) -> Response:
+        tenant_of(request)
+        return user_error(
+            UserError(
+                "sampling clients of the base model or of a saved path are not served yet: use a training "
+                "client's save_weights_and_get_sampling_client()"
+            )
+        )
+
+    @router.get("/samplers/{sampler_id}")
+    async def sampler_info(sampler_id: str, request: Request) -> Response:
+        try:
+            models.sampler(tenant_of(request), sampler_id)
+        except UserError as exc:
+            return JSONResponse({"error": str(exc), "category": "user"}, status_code=404)
+        return JSONResponse(
+            {"sampler_id": sampler_id, "base_model": hosted.config.base_model, "model_path": None}
+        )
+
+    @router.post("/asample")
+    async def asample(request: Request) -> Response:
+        tenant = tenant_of(request)
+        body = await body_of(request)
+        sampler_id = str(body.get("sampling_session_id"))
+        try:
+            sampler = models.sampler(tenant, sampler_id)
+            n = int(body.get("num_samples", 1))
+        except (UserError, ValueError, TypeError) as exc:
+            return user_error(exc)
+        key = ("sample", sampler_id, body.get("seq_id"))
+        request_id = models.futures.known(tenant, key) or models.futures.submit(
+            tenant, sample(sampler, body), key
+        )
+        ids = [f"{sampler_id}:{body.get('seq_id')}:{i}" for i in range(n)]
+        return JSONResponse({"request_id": request_id, "sample_sequence_ids": ids})
 
     @router.post("/load_weights")
     async def load_weights(request: Request) -> Response:

@@ -75,7 +75,7 @@ class TinkerSteps:
         trainer.ready()
         logprobs: list[list[float]] = [[] for _ in data]
         total = 0.0
-        model.train()
+        model.train(not forward_only)  # (a forward alone: eval mode, no dropout: the same numbers each time)
         try:
             for micro in pack(rows, MICRO_BATCH_TOKENS):
                 mb = collate([rows[i] for i in micro], trainer.device, trainer.pad_id)
