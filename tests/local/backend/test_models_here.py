@@ -85,7 +85,13 @@ async def test_a_model_folder_is_trained_by_one_process_at_a_time(tiny_model_dir
         await backend.close()
 
 
-SECRETS = ("sk-the-vllm-key-4811", "hf_the-token-7730", "hf_an-argument-5521", "hf_a-replica-9931")
+SECRETS = (
+    "sk-the-vllm-key-4811",
+    "hf_the-token-7730",
+    "hf_an-argument-5521",
+    "hf_a-replica-9931",
+    "a-url-password-6620",
+)
 
 
 async def test_model_json_keeps_no_secret(tmp_path, monkeypatch):
@@ -97,11 +103,11 @@ async def test_model_json_keeps_no_secret(tmp_path, monkeypatch):
 
     monkeypatch.setattr(LocalService, "start", classmethod(no_engine))
     vllm = VLLMConfig(
-        url=("http://127.0.0.1:9",),
+        url=("http://127.0.0.1:9", f"http://artrl:{SECRETS[4]}@127.0.0.1:10/"),
         api_key=SECRETS[0],
         env={"HF_TOKEN": SECRETS[1]},
         extra_args=("--hf-token", SECRETS[2], "--max-num-seqs=8"),
-        replica_env=({"HF_TOKEN": SECRETS[3]},),
+        replica_env=({"HF_TOKEN": SECRETS[3]}, {}),
     )
     backend = artrl.LocalBackend(path=tmp_path / "artrl", engine=EngineConfig(kind="vllm", vllm=vllm))
     model = artrl.TrainableModel(name="m", project="p", base_model="some/model")
@@ -118,5 +124,5 @@ async def test_model_json_keeps_no_secret(tmp_path, monkeypatch):
     recorded = run.engine["vllm"]
     assert recorded["env"] == {"HF_TOKEN": "<redacted>"} and recorded["api_key"] == "<redacted>"
     assert list(recorded["extra_args"]) == ["--hf-token", "<redacted>", "--max-num-seqs=8"]
-    assert recorded["url"] == ["http://127.0.0.1:9"]
+    assert recorded["url"] == ["http://127.0.0.1:9", "http://artrl:<redacted>@127.0.0.1:10/"]
     assert engine_config_of(run) == EngineConfig()

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from artrl.config import (
     CheckpointRetention,
@@ -60,6 +61,11 @@ def recorded_engine(engine: EngineConfig) -> dict[str, Any]:
         vllm["api_key"] = REDACTED
     vllm["env"] = {name: REDACTED for name in vllm["env"]}
     vllm["replica_env"] = [{name: REDACTED for name in env} for env in vllm["replica_env"]]
+    url = vllm["url"]  # (a password in a server's URL: http://user:PASSWORD@host)
+    if isinstance(url, str):
+        vllm["url"] = _without_password(url)
+    elif url is not None:
+        vllm["url"] = [_without_password(u) for u in url]
     args, secret_next = [], False
     for arg in vllm["extra_args"]:
         flag, eq, _ = arg.partition("=")
@@ -71,6 +77,14 @@ def recorded_engine(engine: EngineConfig) -> dict[str, Any]:
         secret_next = secret and not eq
     vllm["extra_args"] = args
     return settings
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:{REDACTED}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class ModelsHere:
