@@ -16,9 +16,9 @@ import json
 import os
 import tarfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -27,6 +27,7 @@ from artrl.config import CheckpointRetention, RemoteConfig, SFTConfig, TrainConf
 from artrl.model import TrainableModel, TrainResult
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
+T = TypeVar("T")
 STREAM_MIN_TIMEOUT_S = 15.0  # a streamed call's wait between two lines, at least (the server: one every 5 s)
 SPEC_FIELDS = {"name", "project", "base_model", "lora", "chat_format"}
 
@@ -146,35 +147,46 @@ class RemoteBackend:
         # (between two lines: the server sends one every 5 s at least)
         timeout = httpx.Timeout(max(self.config.timeout_s, STREAM_MIN_TIMEOUT_S))
         bar = tqdm(desc=label, unit="row", disable=not self.config.progress, leave=False)
+
+        async def once() -> Any:
+            async with (
+                httpx.AsyncClient(timeout=timeout, headers=headers) as http,
+                http.stream("POST", f"{self.url}{path}", json=body) as response,
+            ):
+                if response.status_code >= 400:
+                    await response.aread()
+                    _raise_refusal(path, response.status_code, _message(response))
+                async for line in response.aiter_lines():
+                    message = _parsed(line)
+                    if "progress" in message:
+                        _show(bar, label, message["progress"])
+                    elif "error" in message:
+                        error = message["error"]
+                        _raise_refusal(path, int(error.get("status", 500)), str(error.get("message")))
+                    elif "result" in message:
+                        return message["result"]
+            raise httpx.RemoteProtocolError("the answer ended before the call's result")
+
         try:
-            for attempt in range(self.config.retries + 1):
-                try:
-                    async with (
-                        httpx.AsyncClient(timeout=timeout, headers=headers) as http,
-                        http.stream("POST", f"{self.url}{path}", json=body) as response,
-                    ):
-                        if response.status_code >= 400:
-                            await response.aread()
-                            _raise_refusal(path, response.status_code, _message(response))
-                        async for line in response.aiter_lines():
-                            message = _parsed(line)
-                            if "progress" in message:
-                                _show(bar, label, message["progress"])
-                            elif "error" in message:
-                                error = message["error"]
-                                _raise_refusal(path, int(error.get("status", 500)), str(error.get("message")))
-                            elif "result" in message:
-                                return message["result"]
-                    raise httpx.RemoteProtocolError("the answer ended before the call's result")
-                except httpx.TransportError as exc:
-                    if attempt == self.config.retries:
-                        raise RemoteError(
-                            f"the training server at {self.url} did not answer POST {path} "
-                            f"({type(exc).__name__}: {exc}; tried {attempt + 1} times)"
-                        ) from exc
-                    await asyncio.sleep(min(2.0**attempt, 10.0))
+            return await self._resent("POST", path, once)
         finally:
             bar.close()
+
+    async def _resent(self, method: str, path: str, send: Callable[[], Awaitable[T]]) -> T:
+        """`send()`, sent again (up to RemoteConfig.retries times, backing off) while no answer comes back:
+        a timeout or a broken connection (the server may still be working: the same request id is answered
+        from its first run)."""
+        for attempt in range(self.config.retries + 1):
+            try:
+                return await send()
+            except httpx.TransportError as exc:
+                if attempt == self.config.retries:
+                    raise RemoteError(
+                        f"the training server at {self.url} did not answer {method} {path} "
+                        f"({type(exc).__name__}: {exc}; tried {attempt + 1} times)"
+                    ) from exc
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+        raise AssertionError("unreachable")
 
     async def _call(
         self,
@@ -188,18 +200,12 @@ class RemoteBackend:
         read = self.config.train_timeout_s if long else self.config.timeout_s
         timeout = httpx.Timeout(read, connect=self.config.timeout_s)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        for attempt in range(self.config.retries + 1):
-            try:
-                async with httpx.AsyncClient(timeout=timeout, headers=headers) as http:
-                    response = await http.request(method, f"{self.url}{path}", json=body)
-                break
-            except httpx.TransportError as exc:  # (a timeout included: the server may still be working)
-                if attempt == self.config.retries:
-                    raise RemoteError(
-                        f"the training server at {self.url} did not answer {method} {path} "
-                        f"({type(exc).__name__}: {exc}; tried {attempt + 1} times)"
-                    ) from exc
-                await asyncio.sleep(min(2.0**attempt, 10.0))
+
+        async def once() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=timeout, headers=headers) as http:
+                return await http.request(method, f"{self.url}{path}", json=body)
+
+        response = await self._resent(method, path, once)
         if response.status_code >= 400:
             _raise_refusal(path, response.status_code, _message(response))
         return response.content if raw else response.json()

@@ -4,6 +4,8 @@ optim_step) whose loss falls, forward that changes nothing, and refusals in the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_training_server import start_server
 
@@ -23,6 +25,12 @@ def tinker_server(tiny_model_dir, tmp_path_factory):
     yield f"http://127.0.0.1:{port}"
     process.terminate()
     process.wait(60)
+
+
+def training_client(tinker, url: str, base: Path):
+    """A rank-8 LoRA training client of the server's base, for the tenant's key."""
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    return service.create_lora_training_client(base_model=str(base), rank=8).result()
 
 
 def sentence_datum(tinker, tokenizer):
@@ -80,11 +88,7 @@ def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, tiny_mode
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    training = (
-        tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
-        .create_lora_training_client(base_model=str(tiny_model_dir), rank=8)
-        .result()
-    )
+    training = training_client(tinker, tinker_server, tiny_model_dir)
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
     adam = tinker.types.AdamParams(learning_rate=2e-2)
 
@@ -115,11 +119,7 @@ def test_a_custom_loss_trains_through_cross_entropy(tinker_server, tiny_model_di
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    training = (
-        tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
-        .create_lora_training_client(base_model=str(tiny_model_dir), rank=8)
-        .result()
-    )
+    training = training_client(tinker, tinker_server, tiny_model_dir)
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
 
     def nll(data, logprobs):
@@ -145,11 +145,7 @@ def test_an_rl_loop_through_the_sdk_samples_the_weights_it_trains(tinker_server,
     import tinker
     from tinker import types
 
-    training = (
-        tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
-        .create_lora_training_client(base_model=str(tiny_model_dir), rank=8)
-        .result()
-    )
+    training = training_client(tinker, tinker_server, tiny_model_dir)
     prompt = training.get_tokenizer().encode("Count with me: one, two, three,")
     params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=7)
     samples = []

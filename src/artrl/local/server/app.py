@@ -26,7 +26,7 @@ from artrl.local.gateway.dialects.dialect import json_body
 from artrl.local.gateway.guard import Guard, Rules, TrustedHosts
 from artrl.local.gateway.protocol import RequestError
 from artrl.local.server.captures import CaptureNotFound, ServerCaptures
-from artrl.local.server.forwarding import Forwarder, Gateways, Inflight
+from artrl.local.server.forwarding import Forwarder, Gateways, Inflight, found
 from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
 from artrl.local.server.progress_lines import progress_lines, started
 from artrl.local.server.refusals import Refused, error_response
@@ -99,13 +99,13 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
 
     @app.get("/artrl/v1/models/{name}/step")
     async def step(name: str, request: Request) -> dict[str, int]:
-        here, model = _find(hosted, _tenant(request, tenants), name)
+        here, model = found(hosted, _tenant(request, tenants), name)
         return {"step": latest_step(here.directory(model))}
 
     @app.post("/artrl/v1/models/{name}/{call}")
     async def backend_call(name: str, call: str, request: Request) -> Response:
         tenant = _tenant(request, tenants)
-        here, model = _find(hosted, tenant, name)
+        here, model = found(hosted, tenant, name)
         body = await _json(request, limit)
         request_id = body.pop("request_id", None)
         streamed = body.pop("stream", False) is True and call in ("train", "train_sft")
@@ -165,13 +165,6 @@ def _tenant(request: Request, tenants: Tenants) -> str:
     if tenant is None:
         raise Refused(401, "missing or wrong key: send 'Authorization: Bearer <key>'", "invalid_api_key")
     return tenant
-
-
-def _find(hosted: HostedModels, tenant: str, name: str):
-    try:
-        return hosted.find(tenant, name)
-    except NotFound as exc:
-        raise Refused(404, str(exc), "model_not_found") from None
 
 
 async def _call(work):

@@ -53,7 +53,7 @@ class Forwarder:
             ) from None
         if not isinstance(name, str):
             raise Refused(400, "the body must name the served model in `model`", "invalid_request")
-        self.find(tenant, name)
+        found(self.hosted, tenant, name)
         client = self.gateways.client(tenant, name)
         headers = {"content-type": "application/json"}
         if capture is not None:
@@ -99,11 +99,13 @@ class Forwarder:
         _raise_for(response, "open a capture on the model's gateway")
         return response.json()["id"]
 
-    def find(self, tenant: str, name: str):
-        try:
-            return self.hosted.find(tenant, name)
-        except NotFound as exc:
-            raise Refused(404, str(exc), "model_not_found") from None
+
+def found(hosted: HostedModels, tenant: str, name: str):
+    """The tenant's model served as `name` (its ModelsHere and model); 404 when it has none."""
+    try:
+        return hosted.find(tenant, name)
+    except NotFound as exc:
+        raise Refused(404, str(exc), "model_not_found") from None
 
 
 def _raise_for(response: httpx.Response, action: str) -> None:
