@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
 import json
 import statistics
 import time
@@ -18,6 +20,11 @@ SESSIONS, TURNS, TOKENS = 256, 3, 16
 
 
 def rss_mib() -> float:
+    """This process's resident memory once freed memory is handed back: what is still held, not glibc's
+    high-water mark of earlier tests in the same worker (which depends on what ran before, and how)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
@@ -104,10 +111,9 @@ async def test_storms_of_clients_that_give_up_are_cancelled(fresh_model):
         )
         assert reply.choices[0].finish_reason in ("stop", "length")
 
-    # The first storm and call in a process raise RSS by first-use costs (imports, torch's kernels and threads)
-    # and by the allocator's high-water mark of 128 requests at once, which glibc keeps after they are freed
-    # (here about 95 MiB when this test ran alone, 55 MiB after the other test: it depended on the test order).
-    # Measured from after a first storm, a second one shows what a storm leaves behind (here 1-4 MiB).
+    # The first storm and call in a process pay first-use costs (imports, torch's kernels and threads); from
+    # after them, a second storm shows what a storm leaves behind. Both readings are taken once freed memory
+    # is handed back (rss_mib), so what ran before in this pytest worker does not count.
     await storm()
     await still_serving()
     before = rss_mib()
