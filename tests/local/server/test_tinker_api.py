@@ -15,13 +15,30 @@ KEY = "tml-alice-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def tinker_server(tiny_model_dir, tmp_path_factory):
+def base_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with its (tied) token embeddings 25x larger. The untrained tiny model's output layer is
+    too small for a LoRA to move its next-token distribution far from uniform (logits within about +-1):
+    here, as in a trained model, a LoRA can make a few tokens likely, so there is something to learn."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("base") / "tiny-sharp"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.embed_tokens.weight"] *= 25
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tinker_server(base_dir, tmp_path_factory):
     from artrl.local.engine.vllm.server import free_port
 
     folder = tmp_path_factory.mktemp("tinker")
     (folder / "keys").write_text(f"alice {KEY}\n")
     port = free_port()
-    process = start_server(tiny_model_dir, folder, port, folder / "keys")
+    process = start_server(base_dir, folder, port, folder / "keys")
     yield f"http://127.0.0.1:{port}"
     process.terminate()
     process.wait(60)
@@ -46,12 +63,12 @@ def sentence_datum(tinker, tokenizer):
     ), len(tokens) - 1
 
 
-def test_a_supervised_loop_through_the_sdk_lowers_the_loss(tinker_server, tiny_model_dir, monkeypatch):
+def test_a_supervised_loop_through_the_sdk_lowers_the_loss(tinker_server, base_dir, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
     service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
-    training = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=8).result()
+    training = service.create_lora_training_client(base_model=str(base_dir), rank=8).result()
     assert training.get_info().lora_rank == 8
     datum, n = sentence_datum(tinker, training.get_tokenizer())
     before = training.forward([datum], "cross_entropy").result()
@@ -66,29 +83,29 @@ def test_a_supervised_loop_through_the_sdk_lowers_the_loss(tinker_server, tiny_m
     assert len(logprobs.tolist()) == n
 
 
-def test_refusals_come_back_as_the_sdks_errors(tinker_server, tiny_model_dir, monkeypatch):
+def test_refusals_come_back_as_the_sdks_errors(tinker_server, base_dir, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
     wrong = tinker.ServiceClient(base_url=tinker_server, api_key="tml-not-a-tenant-key-000")
     with pytest.raises(tinker.AuthenticationError):
-        wrong.create_lora_training_client(base_model=str(tiny_model_dir), rank=8).result()
+        wrong.create_lora_training_client(base_model=str(base_dir), rank=8).result()
     service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
     with pytest.raises(tinker.RequestFailedError, match="trains LoRA adapters of"):
         service.create_lora_training_client(base_model="Qwen/Qwen3-4B", rank=8).result()
-    training = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=8).result()
+    training = service.create_lora_training_client(base_model=str(base_dir), rank=8).result()
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
     with pytest.raises(tinker.RequestFailedError, match="dro"):
         training.forward_backward([datum], "dro").result()
 
 
-def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, tiny_model_dir, monkeypatch):
+def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, base_dir, monkeypatch):
     """A step from a saved state, then the state loaded back (with its optimizer) and the same step again:
     the same loss after it, exactly; the weights alone (load_state) give the saved state's loss back."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    training = training_client(tinker, tinker_server, tiny_model_dir)
+    training = training_client(tinker, tinker_server, base_dir)
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
     adam = tinker.types.AdamParams(learning_rate=2e-2)
 
@@ -113,13 +130,13 @@ def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, tiny_mode
         training.load_state("tinker://elsewhere/weights").result()
 
 
-def test_a_custom_loss_trains_through_cross_entropy(tinker_server, tiny_model_dir, monkeypatch):
+def test_a_custom_loss_trains_through_cross_entropy(tinker_server, base_dir, monkeypatch):
     """forward_backward_custom runs the loss on the client and sends its gradients as cross_entropy weights:
     the negative log-likelihood as a custom loss falls as cross_entropy does."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    training = training_client(tinker, tinker_server, tiny_model_dir)
+    training = training_client(tinker, tinker_server, base_dir)
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
 
     def nll(data, logprobs):
@@ -133,48 +150,57 @@ def test_a_custom_loss_trains_through_cross_entropy(tinker_server, tiny_model_di
     assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] < before
 
 
-def test_an_rl_loop_through_the_sdk_samples_the_weights_it_trains(tinker_server, tiny_model_dir, monkeypatch):
-    """The cookbook's RL loop's calls: save_weights_and_get_sampling_client, sample 8 continuations (the SDK's
-    protobuf answer, a sampled logprob per token), importance_sampling with group-centred rewards (the share
-    of sampled tokens in the lower half of the vocabulary) as advantages, optim_step; the next sampling
-    client samples the trained weights (the same seed draws other tokens), and compute_logprobs answers.
-    (That the reward rises is left to a model that has something to learn from: the tiny test model is
-    untrained, about uniform over its 2,048 tokens.)"""
+def test_an_rl_loop_through_the_sdk_raises_the_reward(tinker_server, base_dir, monkeypatch):
+    """The cookbook's RL loop's calls on a toy task: save_weights_and_get_sampling_client, sample 16 next
+    tokens (the SDK's protobuf answer, each with its sampled logprob: the trainer's own), importance_sampling
+    with group-centred rewards as advantages, optim_step; the next sampling client samples the trained weights,
+    and the reward rises. A few supervised steps first give the model a prior (each of eight tokens next,
+    equally often); the reward is 1 for four of them."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import numpy as np
     import tinker
     from tinker import types
 
-    training = training_client(tinker, tinker_server, tiny_model_dir)
+    training = training_client(tinker, tinker_server, base_dir)
     prompt = training.get_tokenizer().encode("Count with me: one, two, three,")
-    params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=7)
-    samples = []
-    for _ in range(3):
+    liked, other = [101, 202, 303, 404], [505, 606, 707, 808]
+
+    def datum(continuation, **inputs) -> types.Datum:
+        tokens = [*prompt, *continuation]
+        before = len(prompt) - 1
+        padded = {k: np.asarray([0.0] * before + list(v), np.float32) for k, v in inputs.items()}
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], np.int64), **padded},
+        )
+
+    for _ in range(10):  # the prior: each of the eight tokens next, equally often
+        sft = [datum([t], weights=[1.0]) for t in liked + other]
+        training.forward_backward(sft, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    rewards = []
+    for step in range(12):
         sampler = training.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=1, temperature=1.0, stop=[], seed=step)
         sequences = (
-            sampler.sample(types.ModelInput.from_ints(prompt), num_samples=8, sampling_params=params)
+            sampler.sample(types.ModelInput.from_ints(prompt), num_samples=16, sampling_params=params)
             .result()
             .sequences
         )
-        assert all(len(s.tokens) == 6 and len(s.logprobs) == 6 for s in sequences)
-        samples.append([list(s.tokens) for s in sequences])
-        reward = np.array([np.mean(np.asarray(s.tokens) < 1024) for s in sequences])
-        data = []
-        for seq, advantage in zip(sequences, reward - reward.mean(), strict=True):
-            tokens = [*prompt, *seq.tokens]
-            before = len(prompt) - 1
-            data.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": np.asarray(tokens[1:], np.int64),
-                        "logprobs": np.asarray([0.0] * before + list(seq.logprobs), np.float32),
-                        "advantages": np.asarray([0.0] * before + [advantage] * len(seq.tokens), np.float32),
-                    },
-                )
-            )
+        assert all(len(s.tokens) == 1 and len(s.logprobs) == 1 for s in sequences)
+        reward = np.array([np.mean(np.isin(s.tokens, liked)) for s in sequences])
+        rewards.append(float(reward.mean()))
+        data = [
+            datum(s.tokens, logprobs=s.logprobs, advantages=[a])
+            for s, a in zip(sequences, reward - reward.mean(), strict=True)
+        ]
+        if step == 0:  # the sampler's logprobs are the trainer's (the importance ratio starts at 1)
+            seen = training.forward(data, "importance_sampling").result().loss_fn_outputs
+            for out, sequence in zip(seen, sequences, strict=True):
+                assert out["logprobs"].tolist()[-1] == pytest.approx(sequence.logprobs[0], abs=1e-4)
         training.forward_backward(data, "importance_sampling").result()
-        training.optim_step(types.AdamParams(learning_rate=1e-1)).result()
-    assert samples[-1] != samples[0]  # (one seed: other weights, other draws)
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    print(f"\nTINKER RL REWARDS: {[round(r, 2) for r in rewards]}")
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.3, rewards  # (seen: +0.75 to +0.85)
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert logprobs[0] is None and len(logprobs) == len(prompt) and all(lp < 0 for lp in logprobs[1:])

@@ -113,7 +113,9 @@ class HFEngine:
         for i in range(n):
             generator = None
             if params.seed is not None:
-                generator = random.Random((params.seed + i) % 2**64)  # (sampling.uniforms draws from it)
+                # (sampling.uniforms draws from it; the i-th of n sequences far from seed + i, so requests with
+                # nearby seeds share no sequences; the first is seeded as a request for one)
+                generator = random.Random((params.seed + i * 0x9E3779B97F4A7C15) % 2**64)
             stream = SequenceStream(loop, self._idle_timeout_s)
             sequences.append(RunningSequence(stream, params, generator, adapter=adapter))
         self._incoming.put(Request(list(prompt_ids), sequences, adapter))
