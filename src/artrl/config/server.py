@@ -37,6 +37,12 @@ class ServerConfig(_Frozen):
     max_queued_calls: int = Field(
         default=16, ge=1, description="a tenant's training calls waiting or running at once (more: 429)"
     )
+    sampler_adapters: int = Field(
+        default=8,
+        ge=1,
+        description="saved weights that Tinker sampling clients sample, loaded at once (more: the one sampled "
+        "longest ago is unloaded, and loaded again at its next use)",
+    )
     max_open_captures: int = Field(
         default=256,
         ge=1,

@@ -126,6 +126,14 @@ def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, base_dir,
     assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == at_save
     sampler = training.save_weights_for_sampler("s1").result().path
     assert sampler.endswith("/sampler_weights/s1")
+    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+    resumed = service.create_training_client_from_state_with_optimizer(saved).result()
+    assert resumed.get_info().lora_rank == 8
+    assert resumed.forward([datum], "cross_entropy").result().metrics["loss:sum"] == at_save
+    training = resumed
+    assert step_then_loss() == first  # (a new client from the state: the same step as the saved one's)
+    weights_only = service.create_training_client_from_state(saved).result()
+    assert weights_only.forward([datum], "cross_entropy").result().metrics["loss:sum"] == at_save
     with pytest.raises(tinker.BadRequestError, match="checkpoint path"):
         training.load_state("tinker://elsewhere/weights").result()
 
@@ -204,3 +212,40 @@ def test_an_rl_loop_through_the_sdk_raises_the_reward(tinker_server, base_dir, m
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.3, rewards  # (seen: +0.75 to +0.85)
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert logprobs[0] is None and len(logprobs) == len(prompt) and all(lp < 0 for lp in logprobs[1:])
+
+
+def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
+    tinker_server, base_dir, monkeypatch
+):
+    """create_sampling_client(model_path=...) samples the weights as saved, however the training client goes
+    on; create_sampling_client(base_model=...) samples the base (the logprobs of an untrained LoRA)."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    import tinker
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+    training = training_client(tinker, tinker_server, base_dir)
+    datum, _ = sentence_datum(tinker, training.get_tokenizer())
+    prompt = types.ModelInput.from_ints(datum.model_input.to_ints())
+    untrained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    base = service.create_sampling_client(base_model=str(base_dir)).result()
+    assert base.compute_logprobs(prompt).result()[1:] == pytest.approx(untrained[:-1], abs=1e-4)
+
+    def train_once() -> None:
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+
+    train_once()
+    path = training.save_weights_for_sampler("frozen").result().path
+    frozen = service.create_sampling_client(model_path=path).result()
+    at_save = frozen.compute_logprobs(prompt).result()
+    live_at_save = training.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
+    assert at_save[1:] == pytest.approx(live_at_save[1:], abs=1e-4)
+    assert at_save[1:] != pytest.approx(untrained[:-1], abs=1e-3)
+    train_once()
+    assert frozen.compute_logprobs(prompt).result() == at_save  # (saved weights: trained no further)
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    drawn = [frozen.sample(prompt, num_samples=2, sampling_params=params).result() for _ in range(2)]
+    assert [list(s.tokens) for s in drawn[0].sequences] == [list(s.tokens) for s in drawn[1].sequences]
+    with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
+        service.create_sampling_client(model_path=path.replace("frozen", "nothing")).result()

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from artrl.config import EngineConfig, GatewayConfig, LoraConfig, TrainerConfig
+from artrl.local.chat_format.chat_format import ChatFormat
 from artrl.local.engine.hf.adapter_engine import AdapterEngine
 from artrl.local.engine.hf.engine import HFEngine
 from artrl.local.engine.hf.fused_decode import FusedDecode
-from artrl.local.models.loading import LOADING, context_length, load_model_and_tokenizer
+from artrl.local.models.loading import LOADING, context_length, end_of_turn_ids, load_model_and_tokenizer
 from artrl.local.service.service import LocalService
-from artrl.local.train.adapters import add_adapter, attach_adapter
+from artrl.local.train.adapters import add_adapter, attach_adapter, load_adapter
 from artrl.local.train.trainer import Trainer
 
 # what the fused CPU forward computes per adapter (adapter_factors.py); an adapter elsewhere (the embeddings,
@@ -35,6 +38,8 @@ class SharedModel:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._fused = False  # whether the engine runs the fused CPU forward (known once the base is loaded)
+        self._saved: OrderedDict[tuple[str, int], str] = OrderedDict()  # saved adapter's file -> its name
+        self._loading_saved = threading.Lock()
 
     @property
     def model(self) -> Any:
@@ -98,6 +103,56 @@ class SharedModel:
         service.trainer = trainer
         return service
 
+    def saved_adapter(self, folder: Path, keep: int) -> str:
+        """The name, on the shared model, of the adapter saved in `folder` (a PEFT folder of an adapter of this
+        base), to sample from: loaded at its first use (blocking: run it in a worker thread) and never
+        trained. At most `keep` saved adapters stay loaded: the one used longest ago is unloaded first (its
+        requests still running end; its next use loads it again). A rewritten folder is loaded anew."""
+        weights = folder / "adapter_model.safetensors"
+        with self._loading_saved:
+            key = (str(folder.resolve()), weights.stat().st_mtime_ns)
+            name = self._saved.get(key)
+            if name is not None:
+                self._saved.move_to_end(key)
+                return name
+            name = f"saved{next(self._ids)}"
+            engine, model = self._with_adapter(name, saved_lora(folder))
+
+            def fill() -> None:
+                model.set_adapter(name)
+                load_adapter(model, str(folder))
+                for parameter in model.parameters():
+                    parameter.requires_grad_(False)  # (a training job makes its own adapter trainable again)
+
+            try:
+                engine.call(fill, adapter=name).result()
+            except BaseException:
+                engine.forget_adapter(name, lambda: _remove(model, name)).result()
+                raise
+            self._saved[key] = name
+            while len(self._saved) > keep:
+                _, old = self._saved.popitem(last=False)
+                engine.forget_adapter(old, lambda old=old: _remove(model, old)).result()
+            return name
+
+    def base_engine(self) -> HFEngine:
+        """The shared engine, to sample the base model from (its rows name no adapter), started if need be
+        (blocking): a PEFT model holds at least one adapter, so a first one, never used, comes with it."""
+        with self._lock:
+            if self.engine is not None:
+                return self.engine
+        engine, _ = self._with_adapter(
+            f"unused{next(self._ids)}", LoraConfig(rank=1, target_modules=("q_proj",))
+        )
+        return engine
+
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens a sample of the base (or of a saved adapter) stops at by default (blocking)."""
+        self.base_engine()
+        return ChatFormat.for_tokenizer(
+            self._tokenizer, None, end_of_turn_ids(self._model, self._tokenizer)
+        ).stop_ids
+
     def _with_adapter(self, adapter: str, lora: LoraConfig) -> tuple[HFEngine, Any]:
         """The engine and the model, with a fresh adapter named `adapter` on it (loaded at the first)."""
         with self._lock:
@@ -139,6 +194,19 @@ class SharedModel:
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+
+
+def saved_lora(folder: Path) -> LoraConfig:
+    """The LoRA settings of the adapter saved in `folder` (its PEFT adapter_config.json)."""
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        return LoraConfig(
+            rank=int(config["r"]),
+            alpha=float(config["lora_alpha"]),
+            target_modules=tuple(sorted(config["target_modules"])),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{folder} holds no readable LoRA adapter config ({exc})") from None
 
 
 def _remove(model: Any, adapter: str) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from artrl.local.server.hosted import HostedModels
+from artrl.local.server.shared_model import saved_lora
 from artrl.local.server.tinker.futures import Futures, UserError
-from artrl.local.server.tinker.sampling import Sampler
+from artrl.local.server.tinker.sampling import Sampler, frozen_sampler, live_sampler
 from artrl.local.train.adapters import load_adapter, save_weights
 from artrl.local.train.tinker.steps import TinkerSteps
 
@@ -60,15 +61,46 @@ class TinkerModels:
         if not targets:
             raise UserError("lora_config trains neither attention nor MLP layers: nothing to train")
         # (train_unembed: the output head stays the base's here, its adapter would slow every tenant's rows)
+        await self._hosted_model(
+            tenant, model_id, {"rank": rank, "alpha": float(rank), "target_modules": targets}
+        )
+        return {"model_id": model_id, "type": "create_model"}
+
+    async def create_from_state(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`create_training_client_from_state[_with_optimizer]`: a new training client with the LoRA settings
+        of the saved state `path` (one of this tenant's), loaded with its weights (and optimizer, if asked)."""
+        session = str(body.get("session_id"))
+        self.check_session(tenant, session)
+        model_id = f"{session}:train:{int(body.get('model_seq_id', 0))}"
+        base = body.get("base_model")
+        if base not in (None, self.hosted.config.base_model):
+            raise UserError(
+                f"this server trains LoRA adapters of {self.hosted.config.base_model!r} (asked: {base!r})"
+            )
+        path = str(body.get("path"))
+        folder = self.checkpoint(tenant, path)
+        try:
+            lora = saved_lora(folder)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if model_id not in self._models:  # (a resubmit: created already)
+            settings = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": lora.target_modules}
+            await self._hosted_model(tenant, model_id, settings)
+        request_id = self.load(
+            tenant, {"model_id": model_id, "path": path, "optimizer": body.get("optimizer")}
+        )
+        return await self.futures.task(request_id)
+
+    async def _hosted_model(self, tenant: str, model_id: str, lora: dict[str, Any]) -> None:
+        session, seq = model_id.split(":train:")
         spec = {
-            "name": f"tinker-{session.removeprefix('sess-')}-{model_id.rsplit(':', 1)[1]}",
+            "name": f"tinker-{session.removeprefix('sess-')}-{seq}",
             "project": "tinker",
-            "base_model": base,
-            "lora": {"rank": rank, "alpha": float(rank), "target_modules": list(targets)},
+            "base_model": self.hosted.config.base_model,
+            "lora": {**lora, "target_modules": list(lora["target_modules"])},
         }
         model = await self.hosted.register(tenant, spec)
-        self._models[model_id] = (tenant, model.name, rank)
-        return {"model_id": model_id, "type": "create_model"}
+        self._models[model_id] = (tenant, model.name, int(lora["rank"]))
 
     def info(self, tenant: str, model_id: str) -> dict[str, Any]:
         _, _, rank = self._find(tenant, model_id)
@@ -135,12 +167,7 @@ class TinkerModels:
     def load(self, tenant: str, body: dict[str, Any]) -> str:
         """Submit a load of a saved training state into the model (its optimizer's too when asked)."""
         model_id, path = str(body.get("model_id")), str(body.get("path"))
-        parts = path.removeprefix("tinker://").split("/")
-        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in KINDS:
-            raise UserError(f"a checkpoint path is tinker://MODEL_ID/weights/NAME (got {path!r})")
-        folder = self._folder(tenant, parts[0]) / parts[1] / parts[2]  # (this tenant's models only)
-        if not (folder / "adapter_model.safetensors").is_file():
-            raise UserError(f"no checkpoint at {path!r}")
+        folder = self.checkpoint(tenant, path)
         with_optimizer = bool(body.get("optimizer"))
 
         def read(steps: TinkerSteps) -> dict[str, Any]:
@@ -159,17 +186,48 @@ class TinkerModels:
         here, model = self.hosted.find(tenant, name)
         session = model_id.split(":train:")[0]
         sampler_id = f"{session}:sample:{int(body.get('sampling_session_seq_id', 0))}"
-        self.samplers[sampler_id] = Sampler(tenant, here.service(model))
+        self.samplers[sampler_id] = live_sampler(tenant, here.service(model))
         answer = {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
         return self.in_order(
             tenant, model_id, int(body.get("seq_id", 0)), lambda _: answer, changes_weights=False
         )
+
+    def create_sampler(self, tenant: str, body: dict[str, Any]) -> str:
+        """A sampling client of saved weights (`model_path`, a tinker:// path of this tenant's) or of the base
+        model: its id."""
+        session = str(body.get("session_id"))
+        self.check_session(tenant, session)
+        shared = self.hosted.shared
+        if shared is None:
+            raise UserError("sampling saved weights or the base model is served on `--engine hf` only")
+        path = body.get("model_path")
+        folder = None
+        if path:
+            folder = self.checkpoint(tenant, str(path))
+        elif body.get("base_model") != self.hosted.config.base_model:
+            raise UserError(
+                f"this server samples {self.hosted.config.base_model!r} (asked: {body.get('base_model')!r})"
+            )
+        sampler_id = f"{session}:sample:{int(body.get('sampling_session_seq_id', 0))}"
+        keep = self.hosted.config.sampler_adapters
+        self.samplers[sampler_id] = frozen_sampler(tenant, shared, folder, path, keep)
+        return sampler_id
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
         found = self.samplers.get(sampler_id)
         if found is None or found.tenant != tenant:
             raise UserError(f"no sampling client {sampler_id!r} of this key")
         return found
+
+    def checkpoint(self, tenant: str, path: str) -> Path:
+        """The folder of checkpoint `path` (tinker://MODEL_ID/KIND/NAME) of one of the tenant's models."""
+        parts = path.removeprefix("tinker://").split("/")
+        if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in KINDS:
+            raise UserError(f"a checkpoint path is tinker://MODEL_ID/weights/NAME (got {path!r})")
+        folder = self._folder(tenant, parts[0]) / parts[1] / parts[2]  # (this tenant's models only)
+        if not (folder / "adapter_model.safetensors").is_file():
+            raise UserError(f"no checkpoint at {path!r}")
+        return folder
 
     def _folder(self, tenant: str, model_id: str) -> Path:
         _, name, _ = self._find(tenant, model_id)

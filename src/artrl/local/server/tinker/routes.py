@@ -5,7 +5,7 @@ capabilities. The key is the tenant's (`X-API-Key`; the SDK wants keys that star
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -89,7 +89,7 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
             return user_error(exc)
         key = ("create", body.get("session_id"), body.get("model_seq_id"))
         request_id = models.futures.known(tenant, key) or models.futures.submit(
-            tenant, _created(models, tenant, body), key
+            tenant, _created(models.create_model, tenant, body), key
         )
         return JSONResponse({"request_id": request_id})
 
@@ -163,22 +163,26 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> Response:
-        tenant_of(request)
-        return user_error(
-            UserError(
-                "sampling clients of the base model or of a saved path are not served yet: use a training "
-                "client's save_weights_and_get_sampling_client()"
-            )
-        )
+        tenant = tenant_of(request)
+        body = await body_of(request)
+        try:
+            sampler_id = models.create_sampler(tenant, body)
+        except (UserError, ValueError, TypeError) as exc:
+            return user_error(exc)
+        return JSONResponse({"sampling_session_id": sampler_id, "type": "create_sampling_session"})
 
     @router.get("/samplers/{sampler_id}")
     async def sampler_info(sampler_id: str, request: Request) -> Response:
         try:
-            models.sampler(tenant_of(request), sampler_id)
+            sampler = models.sampler(tenant_of(request), sampler_id)
         except UserError as exc:
             return JSONResponse({"error": str(exc), "category": "user"}, status_code=404)
         return JSONResponse(
-            {"sampler_id": sampler_id, "base_model": hosted.config.base_model, "model_path": None}
+            {
+                "sampler_id": sampler_id,
+                "base_model": hosted.config.base_model,
+                "model_path": sampler.model_path,
+            }
         )
 
     @router.post("/asample")
@@ -200,14 +204,19 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
 
     @router.post("/load_weights")
     async def load_weights(request: Request) -> Response:
+        tenant = tenant_of(request)
         body = await body_of(request)
-        if body.get("model_id") is None:
-            return user_error(
-                UserError(
-                    "create_training_client_from_state is not served yet: create a LoRA training client, then load_state"
-                )
+        if body.get("model_id") is None:  # (create_training_client_from_state[_with_optimizer])
+            try:
+                models.check_session(tenant, str(body.get("session_id")))
+            except UserError as exc:
+                return user_error(exc)
+            key = ("create", body.get("session_id"), body.get("model_seq_id"))
+            request_id = models.futures.known(tenant, key) or models.futures.submit(
+                tenant, _created(models.create_from_state, tenant, body), key
             )
-        return submitted(lambda: models.load(tenant_of(request), body), body)
+            return JSONResponse({"request_id": request_id})
+        return submitted(lambda: models.load(tenant, body), body)
 
     def submitted(submit: Callable[[], str], body: dict[str, Any]) -> Response:
         try:
@@ -223,8 +232,10 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
     return router
 
 
-async def _created(models: TinkerModels, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+async def _created(
+    create: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]], tenant: str, body: dict[str, Any]
+) -> dict[str, Any]:
     try:
-        return await models.create_model(tenant, body)
+        return await create(tenant, body)
     except OverLimit as exc:
         raise UserError(str(exc)) from None

@@ -1,14 +1,18 @@
 """Tinker sampling clients on the server: `save_weights_and_get_sampling_client` gives a sampler of a
 training client's adapter (the weights it has when it samples: the SDK's RL loops save, sample, then train
-again, in that order); `create_sampling_client(base_model=...)` one of the base model. `sample` runs on the
-shared engine (its rows batched with every model's), `compute_logprobs` (prompt logprobs) on the engine's
-thread; both answer the SDK's protobuf SampleResponse. Stops are token ids (the SDK's renderers give ids);
-stop strings and top-k are refused with what to send instead."""
+again, in that order); `create_sampling_client(model_path=tinker://...)` one of saved weights (frozen: an
+adapter of its own on the shared model), `create_sampling_client(base_model=...)` one of the base model.
+`sample` runs on the shared engine (its rows batched with every model's), `compute_logprobs` (prompt
+logprobs) on the engine's thread; both answer the SDK's protobuf SampleResponse. Stops are token ids (the
+SDK's renderers give ids); stop strings and top-k are refused with what to send instead."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,9 +25,50 @@ from artrl.local.train.tinker.steps import TinkerSteps, TokenDatum
 
 @dataclass
 class Sampler:
+    """What a sampling client samples: `generate(ids, params, n)` its streams, `logprobs(ids)` its prompt
+    logprobs (NaN first), `stop_ids()` the tokens it stops at unless told otherwise."""
+
     tenant: str
-    service: Any  # the LocalService whose engine samples (a model's adapter, or the base's)
-    base_only: bool = False
+    generate: Callable[[list[int], SamplingParams, int], Awaitable[list[Any]]]
+    logprobs: Callable[[list[int]], Awaitable[list[float]]]
+    stop_ids: Callable[[], Awaitable[frozenset[int]]]
+    model_path: str | None = None
+
+
+def live_sampler(tenant: str, service: Any) -> Sampler:
+    """A sampler of a training client's adapter as it is when each call runs (its LocalService's engine)."""
+
+    async def generate(ids: list[int], params: SamplingParams, n: int) -> list[Any]:
+        return service.engine.generate(ids, params, n)
+
+    async def stop_ids() -> frozenset[int]:
+        return service.chat_format.stop_ids
+
+    return Sampler(tenant, generate, lambda ids: prompt_logprobs(service, ids), stop_ids)
+
+
+def frozen_sampler(tenant: str, shared: Any, folder: Path | None, path: str | None, keep: int) -> Sampler:
+    """A sampler of the adapter saved in `folder` (None: the base model) on the shared model `shared`."""
+
+    def adapter() -> str | None:  # (blocking; a saved adapter unloaded since is loaded again)
+        if folder is None:
+            shared.base_engine()
+            return None
+        return shared.saved_adapter(folder, keep)
+
+    async def generate(ids: list[int], params: SamplingParams, n: int) -> list[Any]:
+        name = await asyncio.to_thread(adapter)
+        return shared.engine.generate(ids, params, n, adapter=name)
+
+    async def logprobs(ids: list[int]) -> list[float]:
+        name = await asyncio.to_thread(adapter)
+        future = shared.engine.call(lambda: plain_logprobs(shared.model, ids, name), changes_weights=False)
+        return await asyncio.wrap_future(future)
+
+    async def stop_ids() -> frozenset[int]:
+        return await asyncio.to_thread(shared.stop_ids)
+
+    return Sampler(tenant, generate, logprobs, stop_ids, path)
 
 
 def prompt_ids(body: dict[str, Any]) -> list[int]:
@@ -63,11 +108,11 @@ async def sample(sampler: Sampler, body: dict[str, Any]) -> bytes:
     n = int(body.get("num_samples", 1))
     if not 1 <= n <= 128:
         raise UserError("num_samples must be 1-128")
-    params = sampling_params(body.get("sampling_params") or {}, sampler.service.chat_format.stop_ids)
+    params = sampling_params(body.get("sampling_params") or {}, await sampler.stop_ids())
     pb = messages()
     response = pb.SampleResponse()
     if params.max_tokens > 0:
-        streams = sampler.service.engine.generate(ids, params, n)
+        streams = await sampler.generate(ids, params, n)
         for stream in streams:
             tokens, logprobs = [], []
             async for choice in stream:
@@ -79,9 +124,7 @@ async def sample(sampler: Sampler, body: dict[str, Any]) -> bytes:
             sequence.tokens = np.asarray(tokens, np.int32).tobytes()
             sequence.logprobs = np.asarray(logprobs, np.float32).tobytes()
     if body.get("prompt_logprobs"):
-        if sampler.base_only:
-            raise UserError("prompt logprobs are computed for a training client's sampler only")
-        values = await prompt_logprobs(sampler.service, ids)
+        values = await sampler.logprobs(ids)
         response.prompt_logprobs = np.asarray(values, np.float32).tobytes()
     if (
         body.get("topk_prompt_logprobs")
@@ -103,3 +146,20 @@ async def prompt_logprobs(service: Any, ids: list[int]) -> list[float]:
         return logprobs[0]
 
     return [math.nan, *(await service.run_exclusive(forward, changes_weights=False))]
+
+
+def plain_logprobs(model: Any, ids: list[int], adapter: str | None) -> list[float]:
+    """Prompt logprobs of `ids` through the PEFT `model` with `adapter` (None: the base), on the engine's
+    thread: one forward, no gradient (a sampler's weights are frozen)."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.tensor([ids], device=next(model.parameters()).device)
+        if adapter is None:
+            with model.disable_adapter():
+                logits = model(input_ids=x).logits
+        else:
+            model.set_adapter(adapter)
+            logits = model(input_ids=x).logits
+        values = logits[0, :-1].float().log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]
+    return [math.nan, *values.tolist()]
