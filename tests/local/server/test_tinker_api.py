@@ -247,5 +247,17 @@ def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
     drawn = [frozen.sample(prompt, num_samples=2, sampling_params=params).result() for _ in range(2)]
     assert [list(s.tokens) for s in drawn[0].sequences] == [list(s.tokens) for s in drawn[1].sequences]
+    rest = service.create_rest_client()
+    runs = rest.list_training_runs().result().training_runs
+    run = rest.get_training_run(training.model_id).result()
+    assert training.model_id in [r.training_run_id for r in runs] and run.lora_rank == 8
+    assert run.last_sampler_checkpoint.tinker_path == path
+    listed = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type) for c in listed] == [("sampler_weights/frozen", "sampler")]
+    assert rest.get_weights_info_by_tinker_path(path).result().lora_rank == 8
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(training.model_id).result().checkpoints == []
     with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
-        service.create_sampling_client(model_path=path.replace("frozen", "nothing")).result()
+        service.create_sampling_client(model_path=path).result()
+    with pytest.raises(tinker.RequestFailedError, match="was deleted"):
+        frozen.sample(prompt, num_samples=1, sampling_params=params).result()

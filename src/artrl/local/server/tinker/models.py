@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class TinkerModels:
         self._models: dict[str, tuple[str, str, int]] = {}  # model id -> tenant, hosted name, rank
         self._last: dict[str, asyncio.Future] = {}  # model id -> its latest call (the next one waits for it)
         self.samplers: dict[str, Sampler] = {}  # sampling session id -> what samples
+        self.last_used: dict[str, float] = {}  # model id -> when its latest call came (time.time())
 
     def create_session(self, tenant: str) -> str:
         session = f"sess-{secrets.token_hex(6)}"
@@ -125,6 +127,7 @@ class TinkerModels:
         """Submit `work(steps)` as the model's call `seq_id` (after its calls before): its request id (the
         first submit's, for a resubmit)."""
         _, name, _ = self._find(tenant, model_id)
+        self.last_used[model_id] = time.time()
         key = ("model", model_id, seq_id)
         known = self.futures.known(tenant, key)
         if known is not None:
@@ -149,7 +152,7 @@ class TinkerModels:
         model_id, name = str(body.get("model_id")), str(body.get("path"))
         if not _NAME.fullmatch(name):
             raise UserError(f"a checkpoint name is 1-128 letters, digits, '.', '-' or '_' (got {name!r})")
-        folder = self._folder(tenant, model_id) / kind / name
+        folder = self.folder(tenant, model_id) / kind / name
         if folder.exists() and not body.get("overwrite", kind == "sampler_weights"):
             raise UserError(f"checkpoint {name!r} exists (save it with overwrite=True, or another name)")
         path = f"tinker://{model_id}/{kind}/{name}"
@@ -224,12 +227,18 @@ class TinkerModels:
         parts = path.removeprefix("tinker://").split("/")
         if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in KINDS:
             raise UserError(f"a checkpoint path is tinker://MODEL_ID/weights/NAME (got {path!r})")
-        folder = self._folder(tenant, parts[0]) / parts[1] / parts[2]  # (this tenant's models only)
+        folder = self.folder(tenant, parts[0]) / parts[1] / parts[2]  # (this tenant's models only)
         if not (folder / "adapter_model.safetensors").is_file():
             raise UserError(f"no checkpoint at {path!r}")
         return folder
 
-    def _folder(self, tenant: str, model_id: str) -> Path:
+    def model_ids(self, tenant: str) -> list[str]:
+        return [model_id for model_id, found in self._models.items() if found[0] == tenant]
+
+    def rank(self, tenant: str, model_id: str) -> int:
+        return self._find(tenant, model_id)[2]
+
+    def folder(self, tenant: str, model_id: str) -> Path:
         _, name, _ = self._find(tenant, model_id)
         here, model = self.hosted.find(tenant, name)
         return Path(here.directory(model)) / "tinker"

@@ -15,11 +15,12 @@ from artrl.local.gateway.calls import bounded_body
 from artrl.local.gateway.dialects.dialect import json_body
 from artrl.local.server.hosted import HostedModels, OverLimit
 from artrl.local.server.tinker.futures import UserError
+from artrl.local.server.tinker.listings import listings_router
 from artrl.local.server.tinker.models import TinkerModels
 from artrl.local.server.tinker.sampling import sample
 from artrl.local.server.tinker.wire import forward_backward_output, read_forward_backward
 
-CLIENT_CONFIG = {  # what this server serves of the SDK's options (see ../shared/notes/tinker-sdk.md)
+CLIENT_CONFIG = {  # what this server serves of the SDK's options (the SDK's /client/config answer)
     "pjwt_auth_enabled": False,
     "use_pyqwest_transport": False,
     "proto_compress_fwdbwd": False,
@@ -33,6 +34,7 @@ CLIENT_CONFIG = {  # what this server serves of the SDK's options (see ../shared
 def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], limit: int) -> APIRouter:
     models = TinkerModels(hosted)
     router = APIRouter(prefix="/api/v1")
+    router.include_router(listings_router(models, tenant_of))
 
     async def body_of(request: Request) -> dict[str, Any]:
         return json_body(await bounded_body(request, limit) or b"{}")

@@ -54,6 +54,8 @@ def frozen_sampler(tenant: str, shared: Any, folder: Path | None, path: str | No
         if folder is None:
             shared.base_engine()
             return None
+        if not (folder / "adapter_model.safetensors").is_file():
+            raise UserError(f"checkpoint {path!r} was deleted")
         return shared.saved_adapter(folder, keep)
 
     async def generate(ids: list[int], params: SamplingParams, n: int) -> list[Any]:
