@@ -18,6 +18,7 @@ DEFAULT_METRICS = (
     "reward_mean",
     "reward_std",
     "loss",
+    "loss_sum",  # (a Tinker step's: the sum over its tokens, as Tinker defines its losses)
     "clip_fraction",
     "kl",
     "entropy",

@@ -4,6 +4,8 @@ optim_step) whose loss falls, forward that changes nothing, and refusals in the 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,10 +34,16 @@ def base_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tinker_server(base_dir, tmp_path_factory):
+def tinker_folder(tmp_path_factory) -> Path:
+    """The server's folder: its run folders under runs/{tenant}/tinker/{model}."""
+    return tmp_path_factory.mktemp("tinker")
+
+
+@pytest.fixture(scope="module")
+def tinker_server(base_dir, tinker_folder):
     from artrl.local.engine.vllm.server import free_port
 
-    folder = tmp_path_factory.mktemp("tinker")
+    folder = tinker_folder
     (folder / "keys").write_text(f"alice {KEY}\n")
     port = free_port()
     process = start_server(base_dir, folder, port, folder / "keys")
@@ -63,7 +71,9 @@ def sentence_datum(tinker, tokenizer):
     ), len(tokens) - 1
 
 
-def test_a_supervised_loop_through_the_sdk_lowers_the_loss(tinker_server, base_dir, monkeypatch):
+def test_a_supervised_loop_through_the_sdk_lowers_the_loss(
+    tinker_server, base_dir, tinker_folder, monkeypatch
+):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
@@ -81,6 +91,23 @@ def test_a_supervised_loop_through_the_sdk_lowers_the_loss(tinker_server, base_d
     assert losses[-1] < 0.93 * losses[0] and min(losses[1:]) < losses[0], losses
     logprobs = step.result().loss_fn_outputs[0]["logprobs"]
     assert len(logprobs.tolist()) == n
+    # each optim_step is a history row of the training client's model: `artrl history` shows them
+    from artrl.storage import read_history
+
+    session, seq = training.model_id.removeprefix("sess-").split(":train:")
+    run = tinker_folder / "runs" / "alice" / "tinker" / f"tinker-{session}-{seq}"
+    rows = [r for r in read_history(run) if r["split"] == "tinker"]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["loss_sum"] for r in rows] == pytest.approx(losses, rel=1e-6)
+    assert all(r["datums"] == 1 and r["tokens"] == n and r["learning_rate"] == 2e-2 for r in rows)
+    shown = subprocess.run(
+        [sys.executable, "-m", "artrl.cli", "history", str(run), "--split", "tinker"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "loss_sum" in shown and len([line for line in shown.splitlines() if "tinker" in line]) >= 8
 
 
 def test_refusals_come_back_as_the_sdks_errors(tinker_server, base_dir, monkeypatch):

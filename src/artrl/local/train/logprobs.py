@@ -118,8 +118,8 @@ def target_logprobs(
 def token_logprobs(
     model: Any, batch: MicroBatch, chunk: int | None, with_entropy: bool = True, via_forward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(token t+1 | tokens ≤ t) and that distribution's entropy, (B, T-1) each, at the positions whose
-    target is trainable (`batch.mask`; 0 elsewhere).
+    """log π(token t+1 | tokens ≤ t) (or of `batch.targets[t]`, when given) and that distribution's
+    entropy, (B, T-1) each, at the positions whose target is trainable (`batch.mask`; 0 elsewhere).
 
     Rows sharing their first `batch.shared` positions compute them once (this module's docstring). Only
     those positions go through the lm_head, `chunk` at a time (None: as many as LOGITS_CHUNK_BYTES of
@@ -135,7 +135,7 @@ def token_logprobs(
     if chunk is None:
         chunk = max(64, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))
     where = batch.mask.nonzero(as_tuple=True)  # ((N,), (N,)) trainable target positions (all >= start)
-    targets = batch.ids[:, 1:][where]  # (N,)
+    targets = (batch.ids[:, 1:] if batch.targets is None else batch.targets)[where]  # (N,)
     with _autocast(inner):
         if via_forward:
             logits = inner(input_ids=batch.ids, attention_mask=_padding_mask(batch.attention)).logits

@@ -23,6 +23,7 @@ class MicroBatch:
     advantages: torch.Tensor  # (B,)
     weights: torch.Tensor  # (B,)
     shared: int = 0  # every row's first `shared` ids are the same, and none of ids[1:shared] is a target
+    targets: torch.Tensor | None = None  # (B, T-1) long: the token position t predicts (None: ids[:, 1:])
 
 
 def pack(rows: list[Row], max_tokens: int) -> list[list[int]]:
@@ -60,6 +61,13 @@ def collate(rows: list[Row], device: torch.device, pad_id: int = 0, shared: int 
             f"collate(shared={shared}): these rows do not all begin with the same {shared} ids, none of them "
             "trained after the first (shared_prompt(rows) gives what they share)"
         )
+    targets = None
+    if any(r.targets is not None for r in rows):
+        targets = ids[:, 1:].clone()  # (B, T-1)
+        for b, row in enumerate(rows):
+            if row.targets is not None:
+                targets[b, : len(row.targets)] = torch.tensor(row.targets)
+        targets = targets.to(device)
     return MicroBatch(
         ids=ids.to(device),
         attention=attention.to(device),
@@ -68,6 +76,7 @@ def collate(rows: list[Row], device: torch.device, pad_id: int = 0, shared: int 
         advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
         weights=torch.tensor([r.weight for r in rows], dtype=torch.float32, device=device),
         shared=shared,
+        targets=targets,
     )
 
 

@@ -40,6 +40,8 @@ class Row:
     trajectory: int = 0  # index of its trajectory in the batch
     weight: float = 1.0
     advantage: float = 0.0  # its trajectory's (GRPO; 0 for SFT)
+    # the token each position t predicts, where it is not ids[t + 1] (a Tinker datum's targets), len(ids) - 1
+    targets: list[int] | None = None
 
     def extend(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         self.ids += ids

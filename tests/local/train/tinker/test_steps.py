@@ -119,14 +119,25 @@ def test_forward_changes_nothing(twin_models):
         assert torch.equal(a, b)
 
 
+def test_a_target_other_than_the_next_input_is_the_token_its_logprob_is_of(twin_models):
+    """(The cookbook's rl_loop puts token 0 at its prompt positions.) Each position's logprob is of its own
+    target: the model's log-softmax there, next input or not."""
+    model = twin_models[0]
+    steps = TinkerSteps(Trainer(model, pad_id=0))
+    ids, targets = [5, 6, 7, 8], [0, 7, 3, 11]
+    (logprobs,), _ = steps.forward_backward(
+        [TokenDatum(ids, {"target_tokens": targets, "weights": [0, 1, 1, 1]})], "cross_entropy", None, True
+    )
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)  # (4, V)
+    want = [float(expected[t, targets[t]]) for t in range(4)]
+    assert logprobs == pytest.approx(want, abs=1e-5)
+
+
 def test_bad_datums_say_what_is_wrong(twin_models):
     steps = TinkerSteps(Trainer(twin_models[0], pad_id=0))
     with pytest.raises(ValueError, match="one per model input token"):
         steps.forward_backward([TokenDatum([1, 2, 3], {"target_tokens": [2, 3]})], "cross_entropy")
-    with pytest.raises(ValueError, match="shifted by one"):
-        steps.forward_backward(
-            [TokenDatum([1, 2, 3], {"target_tokens": [9, 9, 9], "weights": [1, 1, 1]})], "cross_entropy"
-        )
     with pytest.raises(ValueError, match=r"needs loss_fn_inputs \['weights'\]"):
         steps.forward_backward([TokenDatum([1, 2, 3], {"target_tokens": [2, 3, 4]})], "cross_entropy")
     with pytest.raises(ValueError, match="learning_rate must be > 0"):

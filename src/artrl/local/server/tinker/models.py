@@ -17,6 +17,7 @@ from artrl.local.server.hosted import HostedModels
 from artrl.local.server.shared_model import saved_lora
 from artrl.local.server.tinker.futures import Futures, UserError
 from artrl.local.server.tinker.sampling import Sampler, frozen_sampler, live_sampler
+from artrl.local.server.tinker.step_rows import SPLIT, StepRows
 from artrl.local.train.adapters import load_adapter, save_weights
 from artrl.local.train.tinker.steps import TinkerSteps
 
@@ -35,6 +36,7 @@ class TinkerModels:
         self._last: dict[str, asyncio.Future] = {}  # model id -> its latest call (the next one waits for it)
         self.samplers: dict[str, Sampler] = {}  # sampling session id -> what samples
         self.last_used: dict[str, float] = {}  # model id -> when its latest call came (time.time())
+        self.step_rows = StepRows()
 
     def create_session(self, tenant: str) -> str:
         session = f"sess-{secrets.token_hex(6)}"
@@ -123,9 +125,11 @@ class TinkerModels:
         seq_id: int,
         work: Callable[[TinkerSteps], Any],
         changes_weights: bool = True,
+        then: Callable[[Any], dict[str, float] | None] | None = None,
     ) -> str:
         """Submit `work(steps)` as the model's call `seq_id` (after its calls before): its request id (the
-        first submit's, for a resubmit)."""
+        first submit's, for a resubmit). `then(result)`: a history row's metrics for the step it made, if
+        any (logged under the row's step, split `tinker`)."""
         _, name, _ = self._find(tenant, model_id)
         self.last_used[model_id] = time.time()
         key = ("model", model_id, seq_id)
@@ -140,7 +144,12 @@ class TinkerModels:
             if before is not None:
                 await asyncio.wait([before])  # (its outcome is its own caller's)
             steps = TinkerSteps(service.trainer)
-            return await service.run_exclusive(lambda: work(steps), changes_weights=changes_weights)
+            result = await service.run_exclusive(lambda: work(steps), changes_weights=changes_weights)
+            row = then(result) if then is not None else None
+            if row is not None:
+                step = int(row.pop("step"))
+                await here.log(model, [], SPLIT, row, step)
+            return result
 
         request_id = self.futures.submit(tenant, call(), key)
         self._last[model_id] = self.futures.task(request_id)

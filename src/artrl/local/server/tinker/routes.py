@@ -112,9 +112,7 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
                 tenant,
                 call.model_id,
                 call.seq_id,
-                lambda steps: forward_backward_output(
-                    *steps.forward_backward(call.data, call.loss_fn, call.config, call.forward_only)
-                ),
+                lambda steps: forward_backward_output(*fb(steps, call)),
                 changes_weights=False,
             )
         except (UserError, ValueError) as exc:
@@ -144,6 +142,7 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
                 str(body.get("model_id")),
                 int(body.get("seq_id", 0)),
                 lambda steps: {"metrics": steps.optim_step(**settings)},
+                then=lambda result: row_of(str(body.get("model_id")), settings, result),
             )
         except KeyError:
             return user_error(ValueError("optim_step needs adam_params.learning_rate"))
@@ -219,6 +218,16 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
             )
             return JSONResponse({"request_id": request_id})
         return submitted(lambda: models.load(tenant, body), body)
+
+    def fb(steps: Any, call: Any) -> tuple[list[list[float]], dict[str, float]]:
+        logprobs, metrics = steps.forward_backward(call.data, call.loss_fn, call.config, call.forward_only)
+        if not call.forward_only:
+            models.step_rows.forward_backward(call.model_id, metrics, call.data)
+        return logprobs, metrics
+
+    def row_of(model_id: str, settings: dict[str, float], result: dict[str, Any]) -> dict[str, float]:
+        step, row = models.step_rows.step(model_id, settings["learning_rate"], result["metrics"])
+        return {"step": step, **row}
 
     def submitted(submit: Callable[[], str], body: dict[str, Any]) -> Response:
         try:

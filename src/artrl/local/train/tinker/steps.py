@@ -4,9 +4,9 @@ left) and `optim_step` (AdamW with the parameters the call gives, then the gradi
 its model input's token ids and, per input position t, its loss inputs: `target_tokens[t]` (the token
 position t predicts), `weights`, `logprobs`, `advantages`.
 
-Targets must be the next input tokens (`target_tokens[:-1] == input_ids[1:]`, as every SFT and RL datum
-of the Tinker cookbook is built): the trainer's logprobs are those of each next token. Run on the thread
-that owns the model (the engine's, see `Trainer.run`).
+Targets are usually the next input tokens (`target_tokens[:-1] == input_ids[1:]`); any other target is
+the token its position's logprob is of (the cookbook's `rl_loop` puts 0 at its prompt positions, whose
+advantage is 0). Run on the thread that owns the model (the engine's, see `Trainer.run`).
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ class TokenDatum:
             if len(values) != n:
                 raise ValueError(f"loss_fn_inputs[{key!r}] has {len(values)} values for {n} input tokens")
         targets = [int(t) for t in targets]
-        if targets[:-1] != self.input_ids[1:]:
-            raise ValueError(
-                "target_tokens must be the model input shifted by one (position t predicts input token "
-                "t + 1, the last target after the input): this server trains next-token logprobs only"
-            )
-        return Row(ids=[*self.input_ids, targets[-1]], mask=[0] + [1] * n, logprobs=[NO_LOGPROB] * (n + 1))
+        shifted = targets[:-1] == self.input_ids[1:]
+        return Row(
+            ids=[*self.input_ids, targets[-1]],
+            mask=[0] + [1] * n,
+            logprobs=[NO_LOGPROB] * (n + 1),
+            targets=None if shifted else targets,
+        )
 
 
 class TinkerSteps:
