@@ -43,6 +43,12 @@ class ServerConfig(_Frozen):
         description="saved weights that Tinker sampling clients sample, loaded at once (more: the one sampled "
         "longest ago is unloaded, and loaded again at its next use)",
     )
+    tinker_session_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="a Tinker session not heard of for this long (no heartbeat: its client stopped) ends, and "
+        "its training clients are unloaded (their run folders stay)",
+    )
     max_open_captures: int = Field(
         default=256,
         ge=1,

@@ -14,6 +14,7 @@ from test_training_server import start_server
 pytestmark = pytest.mark.slow  # (a server process; ~20 s)
 
 KEY = "tml-alice-0123456789abcdef"
+BOB = "tml-bob-0123456789abcdef00"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def tinker_server(base_dir, tinker_folder):
     from artrl.local.engine.vllm.server import free_port
 
     folder = tinker_folder
-    (folder / "keys").write_text(f"alice {KEY}\n")
+    (folder / "keys").write_text(f"alice {KEY}\nbob {BOB}\n")
     port = free_port()
     process = start_server(base_dir, folder, port, folder / "keys")
     yield f"http://127.0.0.1:{port}"
@@ -288,3 +289,31 @@ def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
         service.create_sampling_client(model_path=path).result()
     with pytest.raises(tinker.RequestFailedError, match="was deleted"):
         frozen.sample(prompt, num_samples=1, sampling_params=params).result()
+
+
+def test_a_closed_session_unloads_its_training_clients(tinker_server, base_dir, monkeypatch):
+    """ServiceClient.close() ends its session: its training clients are unloaded (the tenant's model limit,
+    8, does not fill up over 9 sessions), their saved states stay loadable, and a call to one says why."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    import tinker
+
+    for i in range(9):
+        with tinker.ServiceClient(base_url=tinker_server, api_key=BOB) as service:
+            training = service.create_lora_training_client(base_model=str(base_dir), rank=8).result()
+            datum, _ = sentence_datum(tinker, training.get_tokenizer())
+            loss = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+            saved = training.save_state(f"s{i}").result().path
+    import httpx
+
+    ended = httpx.post(  # (the closed client's own SDK objects refuse calls: a raw call to its model)
+        f"{tinker_server}/api/v1/optim_step",
+        json={"model_id": training.model_id, "seq_id": 99, "adam_params": {"learning_rate": 1e-3}},
+        headers={"Authorization": f"Bearer {BOB}"},
+        timeout=30,
+    )
+    assert ended.status_code == 400 and "ended with its session" in ended.json()["error"]
+    with tinker.ServiceClient(base_url=tinker_server, api_key=BOB) as service:
+        resumed = service.create_training_client_from_state(saved).result()
+        assert resumed.forward([datum], "cross_entropy").result().metrics["loss:sum"] == loss
+        runs = service.create_rest_client().list_training_runs(limit=100).result()
+        assert runs.cursor.total_count == 10  # (the ended ones are listed, with their checkpoints)

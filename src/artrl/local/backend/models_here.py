@@ -146,6 +146,23 @@ class ModelsHere:
         )
         return service.base_url, self.gateway_config.api_key or "artrl"
 
+    async def unregister(self, model: TrainableModel) -> None:
+        """Stop serving `model` (a training call in flight first ends): its service closed (its requests in
+        flight end), trackers closed, folder unlocked. Its run folder stays: registering it again resumes."""
+        key = (model.project, model.name)
+        self.service(model)
+        async with self._train_locks[key]:
+            service = self._services.pop(key)
+            del self._train_locks[key]
+            trackers, lock = self._trackers.pop(key, None), self._locks.pop(key, None)
+            try:
+                await service.close()
+            finally:
+                if trackers is not None:
+                    await asyncio.to_thread(trackers.close)
+                if lock is not None:
+                    lock.release()
+
     async def _start(self, model: TrainableModel, directory: Path) -> tuple[LocalService, dict[str, Any]]:
         """model.json written, the service started from the latest checkpoint (the folder locked)."""
         from artrl.local.service.service import LocalService

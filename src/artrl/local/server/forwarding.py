@@ -145,23 +145,26 @@ class Gateways:
 
     def __init__(self, hosted: HostedModels) -> None:
         self._hosted = hosted
-        self._clients: dict[tuple[str, str], httpx.AsyncClient] = {}
+        # (tenant, name) -> the service it was made for, and the client (a model registered again: anew)
+        self._clients: dict[tuple[str, str], tuple[object, httpx.AsyncClient]] = {}
 
     def client(self, tenant: str, name: str) -> httpx.AsyncClient:
         here, model = self._hosted.find(tenant, name)
         key = (tenant, model.name)
-        client = self._clients.get(key)
-        if client is None:
-            service = here.service(model)
-            http = openai_httpx()  # (the httpx the in-process transport is built on)
-            client = self._clients[key] = http.AsyncClient(
-                base_url=service.base_url.removesuffix("/v1"),
-                transport=here.client_transport(model),
-                headers={"Authorization": f"Bearer {self._hosted.gateway.api_key}"},
-                timeout=http.Timeout(None, connect=30.0),  # (generation: as long as the client waits)
-            )
+        service = here.service(model)
+        cached = self._clients.get(key)
+        if cached is not None and cached[0] is service:
+            return cached[1]
+        http = openai_httpx()  # (the httpx the in-process transport is built on)
+        client = http.AsyncClient(
+            base_url=service.base_url.removesuffix("/v1"),
+            transport=here.client_transport(model),
+            headers={"Authorization": f"Bearer {self._hosted.gateway.api_key}"},
+            timeout=http.Timeout(None, connect=30.0),  # (generation: as long as the client waits)
+        )
+        self._clients[key] = (service, client)
         return client
 
     async def close(self) -> None:
-        for client in self._clients.values():
+        for _, client in self._clients.values():
             await client.aclose()

@@ -112,6 +112,13 @@ class HostedModels:
             models[model.name] = model
             return model
 
+    async def unregister(self, tenant: str, name: str) -> None:
+        """Stop serving the tenant's model `name` (its run folder stays; registering it again resumes it)."""
+        async with self._registering:
+            model = self._models.get(tenant, {}).pop(name, None)
+            if model is not None:
+                await self._here[tenant].unregister(model)
+
     async def once(self, tenant: str, request_id: str | None, work: Callable[[], Awaitable[Any]]) -> Any:
         """`work()` at most once per request id: a resend while it runs waits for the same result, a resend
         after it succeeded gets that result again, after a restart too (a failure is not kept: a resend

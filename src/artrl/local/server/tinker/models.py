@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,10 +16,13 @@ from artrl.local.server.hosted import HostedModels
 from artrl.local.server.shared_model import saved_lora
 from artrl.local.server.tinker.futures import Futures, UserError
 from artrl.local.server.tinker.sampling import Sampler, frozen_sampler, live_sampler
+from artrl.local.server.tinker.sessions import Sessions
 from artrl.local.server.tinker.step_rows import SPLIT, StepRows
 from artrl.local.train.adapters import load_adapter, save_weights
 from artrl.local.train.tinker.steps import TinkerSteps
+from artrl.storage import model_dir
 
+PROJECT = "tinker"  # the hosted models' project
 KINDS = ("weights", "sampler_weights")  # a training state (adapter + optimizer), an adapter for sampling
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -31,21 +33,35 @@ class TinkerModels:
     def __init__(self, hosted: HostedModels) -> None:
         self.hosted = hosted
         self.futures = Futures()
-        self._sessions: dict[str, str] = {}  # session id -> tenant
+        self.sessions = Sessions(hosted.config.tinker_session_timeout_s)
+        self._unloaded: set[str] = set()  # model ids of finished sessions (their folders stay)
         self._models: dict[str, tuple[str, str, int]] = {}  # model id -> tenant, hosted name, rank
         self._last: dict[str, asyncio.Future] = {}  # model id -> its latest call (the next one waits for it)
         self.samplers: dict[str, Sampler] = {}  # sampling session id -> what samples
         self.last_used: dict[str, float] = {}  # model id -> when its latest call came (time.time())
         self.step_rows = StepRows()
 
-    def create_session(self, tenant: str) -> str:
-        session = f"sess-{secrets.token_hex(6)}"
-        self._sessions[session] = tenant
-        return session
+    async def create_session(self, tenant: str) -> str:
+        for silent in self.sessions.silent():  # (sessions of clients that stopped without closing)
+            await self.finish_session(silent)
+        return self.sessions.create(tenant)
 
     def check_session(self, tenant: str, session: str) -> None:
-        if self._sessions.get(session) != tenant:
-            raise UserError(f"no session {session!r} of this key (create_session first)")
+        self.sessions.check(tenant, session)
+
+    async def finish_session(self, session: str) -> None:
+        """End `session`: its sampling clients dropped, its training clients unloaded once their calls
+        ended (their run folders stay)."""
+        self.sessions.end(session)
+        for sampler_id in [s for s in self.samplers if s.startswith(f"{session}:")]:
+            del self.samplers[sampler_id]
+        for model_id in [m for m in self._models if m.startswith(f"{session}:") and m not in self._unloaded]:
+            self._unloaded.add(model_id)
+            last = self._last.pop(model_id, None)
+            if last is not None:
+                await asyncio.wait([last])
+            tenant, name, _ = self._models[model_id]
+            await self.hosted.unregister(tenant, name)
 
     async def create_model(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         session = str(body.get("session_id"))
@@ -99,7 +115,7 @@ class TinkerModels:
         session, seq = model_id.split(":train:")
         spec = {
             "name": f"tinker-{session.removeprefix('sess-')}-{seq}",
-            "project": "tinker",
+            "project": PROJECT,
             "base_model": self.hosted.config.base_model,
             "lora": {**lora, "target_modules": list(lora["target_modules"])},
         }
@@ -131,6 +147,11 @@ class TinkerModels:
         first submit's, for a resubmit). `then(result)`: a history row's metrics for the step it made, if
         any (logged under the row's step, split `tinker`)."""
         _, name, _ = self._find(tenant, model_id)
+        if model_id in self._unloaded:
+            raise UserError(
+                f"training client {model_id!r} ended with its session: create a training client from one "
+                "of its saved states (create_training_client_from_state)"
+            )
         self.last_used[model_id] = time.time()
         key = ("model", model_id, seq_id)
         known = self.futures.known(tenant, key)
@@ -248,9 +269,9 @@ class TinkerModels:
         return self._find(tenant, model_id)[2]
 
     def folder(self, tenant: str, model_id: str) -> Path:
+        """The training client's checkpoints' folder (its session may have ended)."""
         _, name, _ = self._find(tenant, model_id)
-        here, model = self.hosted.find(tenant, name)
-        return Path(here.directory(model)) / "tinker"
+        return model_dir(f"{self.hosted.config.path}/{tenant}", PROJECT, name) / "tinker"
 
     def _find(self, tenant: str, model_id: str) -> tuple[str, str, int]:
         found = self._models.get(model_id)

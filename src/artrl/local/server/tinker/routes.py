@@ -60,7 +60,7 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
     @router.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         tenant = tenant_of(request)
-        return {"session_id": models.create_session(tenant), "type": "create_session"}
+        return {"session_id": await models.create_session(tenant), "type": "create_session"}
 
     @router.post("/session_heartbeat")
     async def heartbeat(request: Request) -> Response:
@@ -77,9 +77,14 @@ def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], lim
         return {"status": "accepted"}  # (not kept: the server's own history records the training)
 
     @router.post("/sessions/{session_id}/finish")
-    async def finish(session_id: str, request: Request) -> dict[str, Any]:
-        tenant_of(request)
-        return {}
+    async def finish(session_id: str, request: Request) -> Response:
+        tenant = tenant_of(request)
+        try:
+            models.check_session(tenant, session_id)
+        except UserError as exc:
+            return JSONResponse({"error": str(exc), "category": "user"}, status_code=404)
+        await models.finish_session(session_id)
+        return JSONResponse({})
 
     @router.post("/create_model")
     async def create_model(request: Request) -> Response:
