@@ -270,8 +270,32 @@ def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
     live_at_save = training.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
     assert at_save[1:] == pytest.approx(live_at_save[1:], abs=1e-4)
     assert at_save[1:] != pytest.approx(untrained[:-1], abs=1e-3)
+    # the saved weights answer on the OpenAI routes by their path, frozen as the sampling client samples them
+    from openai import OpenAI
+
+    chat = OpenAI(base_url=f"{tinker_server}/v1", api_key=KEY, max_retries=0)
+
+    def ask():
+        reply = chat.chat.completions.create(
+            model=path,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+        )
+        extra = reply.choices[0].model_extra
+        return (
+            extra["prompt_token_ids"],
+            extra["token_ids"],
+            [t.logprob for t in reply.choices[0].logprobs.content],
+        )
+
+    asked, answered, logprobs = ask()
+    scored = frozen.compute_logprobs(types.ModelInput.from_ints(asked + answered)).result()
+    assert logprobs == pytest.approx(scored[len(asked) :], abs=1e-4)
     train_once()
     assert frozen.compute_logprobs(prompt).result() == at_save  # (saved weights: trained no further)
+    assert ask()[1] == answered
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
     drawn = [frozen.sample(prompt, num_samples=2, sampling_params=params).result() for _ in range(2)]
     assert [list(s.tokens) for s in drawn[0].sequences] == [list(s.tokens) for s in drawn[1].sequences]
@@ -289,6 +313,12 @@ def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
         service.create_sampling_client(model_path=path).result()
     with pytest.raises(tinker.RequestFailedError, match="was deleted"):
         frozen.sample(prompt, num_samples=1, sampling_params=params).result()
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="no checkpoint"):
+        chat.chat.completions.create(
+            model=path.replace("frozen", "other"), messages=[{"role": "user", "content": "hi"}]
+        )
 
 
 def test_a_closed_session_unloads_its_training_clients(tinker_server, base_dir, monkeypatch):

@@ -31,7 +31,9 @@ from artrl.local.server.hosted import HostedModels, NotFound, OverLimit
 from artrl.local.server.progress_lines import progress_lines, started
 from artrl.local.server.refusals import Refused, error_response
 from artrl.local.server.tenants import ADMIN, Tenants, bearer
+from artrl.local.server.tinker.models import TinkerModels
 from artrl.local.server.tinker.routes import tinker_router
+from artrl.local.server.tinker.saved_gateways import SavedGateways
 from artrl.storage import latest_step
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -43,12 +45,16 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     """The routes over `hosted`; at shutdown every model's engine, gateway and trainer is closed."""
     gateways = Gateways(hosted)
     captures = ServerCaptures(hosted.config.max_open_captures)
-    forwarder = Forwarder(hosted, gateways, Inflight(hosted.config.max_concurrent_requests), captures)
+    tinker = TinkerModels(hosted)
+    saved = SavedGateways(tinker)
+    inflight = Inflight(hosted.config.max_concurrent_requests)
+    forwarder = Forwarder(hosted, gateways, inflight, captures, saved)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         await gateways.close()
+        await saved.close()
         await hosted.close()
 
     app = FastAPI(
@@ -79,7 +85,7 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
             500, f"internal error ({type(exc).__name__}); see the server's log", "internal_error"
         )
 
-    app.include_router(tinker_router(hosted, lambda request: _tenant(request, tenants), limit))
+    app.include_router(tinker_router(tinker, lambda request: _tenant(request, tenants), limit))
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -24,9 +24,15 @@ from artrl.local.server.refusals import Refused
 
 class Forwarder:
     def __init__(
-        self, hosted: HostedModels, gateways: Gateways, inflight: Inflight, captures: ServerCaptures
+        self,
+        hosted: HostedModels,
+        gateways: Gateways,
+        inflight: Inflight,
+        captures: ServerCaptures,
+        saved: Any = None,
     ) -> None:
         self.hosted, self.gateways, self.inflight, self.captures = hosted, gateways, inflight, captures
+        self.saved = saved  # tinker/saved_gateways.SavedGateways: `model` names of saved Tinker weights
         self.chat_limit = GatewayConfig().max_request_bytes
 
     async def forward(self, request: Request, tenant: str, path: str, capture: str | None) -> Response:
@@ -53,8 +59,11 @@ class Forwarder:
             ) from None
         if not isinstance(name, str):
             raise Refused(400, "the body must name the served model in `model`", "invalid_request")
-        found(self.hosted, tenant, name)
-        client = self.gateways.client(tenant, name)
+        if name.startswith("tinker://") and self.saved is not None:
+            client = await self._saved(tenant, name, capture)
+        else:
+            found(self.hosted, tenant, name)
+            client = self.gateways.client(tenant, name)
         headers = {"content-type": "application/json"}
         if capture is not None:
             headers[CAPTURE_HEADER] = await self.captures.gateway_id(
@@ -92,6 +101,18 @@ class Forwarder:
             return response.json()["records"]
 
         return await self.captures.close(tenant, key, close_there)
+
+    async def _saved(self, tenant: str, path: str, capture: str | None) -> httpx.AsyncClient:
+        if capture is not None:
+            raise Refused(
+                400,
+                "captures record a hosted model's calls; saved weights (tinker://...) are not captured",
+                "invalid_request",
+            )
+        try:
+            return await self.saved.client(tenant, path)
+        except ValueError as exc:  # (tinker's UserError: not a checkpoint of this key)
+            raise Refused(404, str(exc), "model_not_found") from None
 
     @staticmethod
     async def _open_there(client: httpx.AsyncClient) -> str:

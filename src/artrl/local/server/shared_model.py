@@ -45,6 +45,10 @@ class SharedModel:
     def model(self) -> Any:
         return self._model
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
     def start(
         self,
         served_name: str,

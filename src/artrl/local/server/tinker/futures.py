@@ -21,7 +21,7 @@ HOLD_S = 25.0
 KEEP = 4096
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A call the client got wrong (reported as `category: user`: the SDK raises RequestFailedError)."""
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from artrl.local.gateway.calls import bounded_body
 from artrl.local.gateway.dialects.dialect import json_body
-from artrl.local.server.hosted import HostedModels, OverLimit
+from artrl.local.server.hosted import OverLimit
 from artrl.local.server.tinker.futures import UserError
 from artrl.local.server.tinker.listings import listings_router
 from artrl.local.server.tinker.models import TinkerModels
@@ -31,8 +31,8 @@ CLIENT_CONFIG = {  # what this server serves of the SDK's options (the SDK's /cl
 }
 
 
-def tinker_router(hosted: HostedModels, tenant_of: Callable[[Request], str], limit: int) -> APIRouter:
-    models = TinkerModels(hosted)
+def tinker_router(models: TinkerModels, tenant_of: Callable[[Request], str], limit: int) -> APIRouter:
+    hosted = models.hosted
     router = APIRouter(prefix="/api/v1")
     router.include_router(listings_router(models, tenant_of))
 
