@@ -125,6 +125,25 @@ def test_refusals_come_back_as_the_sdks_errors(tinker_server, base_dir, monkeypa
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
     with pytest.raises(tinker.RequestFailedError, match="dro"):
         training.forward_backward([datum], "dro").result()
+    import numpy as np
+
+    tokens = datum.model_input.to_ints()
+    short = tinker.types.Datum(  # (one weight too few)
+        model_input=datum.model_input,
+        loss_fn_inputs={
+            "target_tokens": datum.loss_fn_inputs["target_tokens"],
+            "weights": np.ones(len(tokens) - 1),
+        },
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"has \d+ values for \d+ input tokens"):
+        training.forward_backward([short], "cross_entropy").result()
+    long = tinker.types.Datum(  # (beyond the tiny model's 2,048-token context)
+        model_input=tinker.types.ModelInput.from_ints(list(range(3000))),
+        loss_fn_inputs={"target_tokens": np.arange(1, 3001), "weights": np.ones(3000, np.float32)},
+    )
+    with pytest.raises(tinker.RequestFailedError, match="context is 2048 tokens"):
+        training.forward_backward([long], "cross_entropy").result()
+    assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0  # (still serving)
 
 
 def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, base_dir, monkeypatch):

@@ -164,7 +164,7 @@ class TinkerModels:
         async def call() -> Any:
             if before is not None:
                 await asyncio.wait([before])  # (its outcome is its own caller's)
-            steps = TinkerSteps(service.trainer)
+            steps = TinkerSteps(service.trainer, service.max_context)
             result = await service.run_exclusive(lambda: work(steps), changes_weights=changes_weights)
             row = then(result) if then is not None else None
             if row is not None:

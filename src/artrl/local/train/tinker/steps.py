@@ -52,8 +52,9 @@ class TokenDatum:
 
 
 class TinkerSteps:
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, max_context: int | None = None) -> None:
         self.trainer = trainer
+        self.max_context = max_context  # tokens of a datum at most (its input and last target)
 
     def forward_backward(
         self,
@@ -67,6 +68,12 @@ class TinkerSteps:
         if not data:
             raise ValueError("forward_backward got no data")
         rows = [d.row() for d in data]
+        for i, row in enumerate(rows):
+            if self.max_context is not None and len(row.ids) > self.max_context:
+                raise ValueError(
+                    f"datum {i} has {len(row.ids) - 1} input tokens; this model's context is "
+                    f"{self.max_context} tokens (input and last target): shorten or split it"
+                )
         needed = INPUTS.get(loss_fn, ())
         for i, datum in enumerate(data):
             missing = [key for key in needed if key not in datum.inputs]
