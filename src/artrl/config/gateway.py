@@ -63,6 +63,17 @@ class GatewayConfig(_Frozen):
         ge=1,
         description="chat requests being prepared or generated at once; beyond, a 429 (clients retry later)",
     )
+    max_preparing_bytes: int = Field(
+        default=128 << 20,
+        ge=1024,
+        description="bytes of request bodies read and waiting for, or in, preparation at once (more: a 429)",
+    )
+    body_read_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a request's body arrives whole within this (else a 408), so stalled uploads do not "
+        "hold the in-flight slots",
+    )
     max_open_captures: int = Field(default=4096, ge=1, description="`artrl.capture` blocks open at once")
     max_capture_records: int = Field(default=10_000, ge=1, description="calls recorded by one capture")
     max_capture_bytes: int = Field(

@@ -24,6 +24,9 @@ class ServerConfig(_Frozen):
     max_request_bytes: int = Field(
         default=256 * 2**20, ge=1024, description="a training call's JSON body (trajectories) at most"
     )
+    body_read_timeout_s: float = Field(
+        default=300.0, gt=0, description="a request's body arrives whole within this (else a 408)"
+    )
     remembered_results: int = Field(
         default=1024,
         ge=1,

@@ -30,7 +30,7 @@ def create_app(serving: ChatServing, config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="artrl gateway", docs_url=None, redoc_url=None)
     store = CaptureStore(config)
     calls = Calls(serving, store, config)
-    app.state.preparing = calls.preparing  # the prompt-building thread, shut down with the server
+    app.state.preparing = calls.preparation  # the prompt-building thread, closed with the server
     rules = Rules(
         TrustedHosts(config.host, config.allowed_hosts),
         error_response,

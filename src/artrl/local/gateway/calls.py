@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
@@ -20,6 +19,7 @@ from artrl.local.gateway.captures import CaptureStore
 from artrl.local.gateway.dialects import Dialect
 from artrl.local.gateway.dialects.chat import complete
 from artrl.local.gateway.dialects.dialect import failure_text
+from artrl.local.gateway.preparation import Preparation
 from artrl.local.gateway.protocol import RequestError, check_depth, parse_request
 from artrl.local.gateway.serving import ChatServing, PreparedRequest
 
@@ -35,10 +35,10 @@ class Calls:
     def __init__(self, serving: ChatServing, store: CaptureStore, config: GatewayConfig) -> None:
         self.serving, self.store = serving, store
         self.max_request_bytes, self.max_inflight = config.max_request_bytes, config.max_inflight_requests
-        self.max_depth = config.max_json_depth
-        # rendering and tokenising a prompt (seconds for a huge one) happen here, one request at a time, never
-        # on the event loop that answers every other client
-        self.preparing = ThreadPoolExecutor(1, thread_name_prefix="artrl-prepare")
+        self.max_depth, self.body_read_timeout_s = config.max_json_depth, config.body_read_timeout_s
+        # rendering and tokenising a prompt (seconds for a huge one) happen there, never on the event loop
+        # that answers every other client
+        self.preparation = Preparation(config.max_preparing_bytes)
         self.preparing_now = 0  # requests being read and prepared; the serving layer counts those generating
 
     async def answer(self, request: Request, capture_id: str | None, dialect: Dialect) -> Response:
@@ -52,12 +52,11 @@ class Calls:
             )
         self.preparing_now += 1
         try:
-            raw = await bounded_body(request, self.max_request_bytes)
+            raw = await bounded_body(request, self.max_request_bytes, self.body_read_timeout_s)
             if capture_id is not None:
                 self.store.check(capture_id)
-            loop = asyncio.get_running_loop()
-            prepared, context = await loop.run_in_executor(
-                self.preparing, lambda: self._prepare(raw, dialect)
+            prepared, context = await asyncio.wrap_future(
+                self.preparation.submit(len(raw), lambda: self._prepare(raw, dialect))
             )
         finally:
             self.preparing_now -= 1
@@ -95,9 +94,10 @@ class Calls:
         return self.serving.prepare(parse_request(body, self.max_depth)), context
 
 
-async def bounded_body(request: Request, limit: int) -> bytes:
+async def bounded_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, refused (413) as soon as it is known to exceed `limit` bytes: from its declared
-    length before reading any of it, or while it streams in, never after holding all of it."""
+    length before reading any of it, or while it streams in, never after holding all of it; refused (408)
+    when it has not arrived whole within `timeout_s` (a stalled upload)."""
 
     def too_large(size: str) -> RequestError:
         return RequestError(
@@ -108,11 +108,19 @@ async def bounded_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(declared)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(f"more than {limit}")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(f"more than {limit}")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)",
+            status=408,
+            code="request_timeout",
+        ) from None
     return b"".join(chunks)
 
 

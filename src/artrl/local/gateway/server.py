@@ -70,4 +70,4 @@ class GatewayServer:
         self._socket.close()
         preparing = getattr(self._app.state, "preparing", None)  # the gateway's prompt-building thread
         if preparing is not None:
-            preparing.shutdown(wait=False, cancel_futures=True)
+            preparing.close()

@@ -60,7 +60,7 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     app = FastAPI(
         title="artrl training server", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
-    limit = hosted.config.max_request_bytes
+    limit, timeout = hosted.config.max_request_bytes, hosted.config.body_read_timeout_s
     # with keys the key decides (any Host); without, a loopback server answers only loopback names (DNS
     # rebinding); a POST must be JSON, so no web page reaches it cross-site (gateway/guard.py)
     hosts = TrustedHosts(hosted.config.host, ("*",) if tenants.keyed else ())
@@ -85,7 +85,7 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
             500, f"internal error ({type(exc).__name__}); see the server's log", "internal_error"
         )
 
-    app.include_router(tinker_router(tinker, lambda request: _tenant(request, tenants), limit))
+    app.include_router(tinker_router(tinker, lambda request: _tenant(request, tenants), limit, timeout))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -100,7 +100,7 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     @app.post("/artrl/v1/models")
     async def register(request: Request) -> dict[str, Any]:
         tenant = _tenant(request, tenants)
-        model = await _call(hosted.register(tenant, await _json(request, limit)))
+        model = await _call(hosted.register(tenant, await _json(request, limit, timeout)))
         return _entry(tenant, model, hosted)
 
     @app.get("/artrl/v1/models/{name}/step")
@@ -112,7 +112,7 @@ def create_server_app(hosted: HostedModels, tenants: Tenants) -> FastAPI:
     async def backend_call(name: str, call: str, request: Request) -> Response:
         tenant = _tenant(request, tenants)
         here, model = found(hosted, tenant, name)
-        body = await _json(request, limit)
+        body = await _json(request, limit, timeout)
         request_id = body.pop("request_id", None)
         streamed = body.pop("stream", False) is True and call in ("train", "train_sft")
         try:
@@ -222,9 +222,9 @@ def _plain(value: Any) -> Any:
     return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
 
 
-async def _json(request: Request, limit: int) -> dict[str, Any]:
+async def _json(request: Request, limit: int, timeout_s: float) -> dict[str, Any]:
     """The body as a JSON object within `limit` bytes (the gateway's readers: 413 / 400 as RequestError)."""
-    return json_body(await bounded_body(request, limit) or b"{}")
+    return json_body(await bounded_body(request, limit, timeout_s) or b"{}")
 
 
 async def _export(here, model) -> Response:

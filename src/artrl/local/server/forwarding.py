@@ -50,7 +50,7 @@ class Forwarder:
     async def _forward(
         self, request: Request, tenant: str, path: str, capture: str | None, release
     ) -> Response:
-        raw = await bounded_body(request, self.chat_limit)
+        raw = await bounded_body(request, self.chat_limit, self.hosted.config.body_read_timeout_s)
         try:
             name = json.loads(raw).get("model")
         except (ValueError, AttributeError, RecursionError):

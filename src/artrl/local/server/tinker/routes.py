@@ -31,13 +31,15 @@ CLIENT_CONFIG = {  # what this server serves of the SDK's options (the SDK's /cl
 }
 
 
-def tinker_router(models: TinkerModels, tenant_of: Callable[[Request], str], limit: int) -> APIRouter:
+def tinker_router(
+    models: TinkerModels, tenant_of: Callable[[Request], str], limit: int, timeout_s: float
+) -> APIRouter:
     hosted = models.hosted
     router = APIRouter(prefix="/api/v1")
     router.include_router(listings_router(models, tenant_of))
 
     async def body_of(request: Request) -> dict[str, Any]:
-        return json_body(await bounded_body(request, limit) or b"{}")
+        return json_body(await bounded_body(request, limit, timeout_s) or b"{}")
 
     def user_error(exc: Exception) -> JSONResponse:
         return JSONResponse({"error": str(exc), "category": "user"}, status_code=400)
@@ -112,7 +114,7 @@ def tinker_router(models: TinkerModels, tenant_of: Callable[[Request], str], lim
     async def forward_backward(request: Request) -> Response:
         tenant = tenant_of(request)
         try:
-            call = read_forward_backward(await bounded_body(request, limit))
+            call = read_forward_backward(await bounded_body(request, limit, timeout_s))
             request_id = models.in_order(
                 tenant,
                 call.model_id,
