@@ -148,3 +148,18 @@ async def test_a_cancelled_train_call_still_saves_and_records_its_step(fresh_mod
     assert latest_step(directory) == 2
     assert [(r["step"], r["split"]) for r in read_history(directory)] == [(1, "train"), (2, "sft")]
     assert (await fresh_model.train([group(fresh_model.name)], config)).step == 3
+
+
+async def test_a_step_whose_trained_rows_cannot_be_written_is_still_saved_and_recorded(fresh_model, tmp_path):
+    """The rows file (what the step trained, for the dashboard) is written after the weights changed: a
+    failure there left the step trained but never checkpointed or recorded, and the next call reused its
+    number. Now the step is saved and recorded, the rows' failure logged and counted in its metrics."""
+    directory = tmp_path / "artrl" / "fresh" / "tiny"
+    (directory / "trajectories" / "train" / "0001.rows.jsonl.gz").mkdir(
+        parents=True
+    )  # (it cannot be written)
+    result = await fresh_model.train([group(fresh_model.name)], artrl.TrainConfig(learning_rate=1e-3))
+    assert result.step == 1 and result.metrics["rows_saved"] == 0
+    assert latest_step(directory) == 1
+    assert [(r["step"], r["split"]) for r in read_history(directory)] == [(1, "train")]
+    assert (await fresh_model.train([group(fresh_model.name)], artrl.TrainConfig())).step == 2

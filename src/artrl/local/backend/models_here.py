@@ -257,7 +257,15 @@ class ModelsHere:
                     metrics["optimizer_steps"] = 0
                 metrics["step_seconds"] = time.time() - started
                 if config.save_rows:
-                    await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
+                    try:
+                        await asyncio.to_thread(write_step_rows, directory, step, step_record(batch))
+                    except (
+                        OSError
+                    ) as exc:  # (the weights changed: the step is saved and recorded all the same)
+                        log.warning(
+                            "step %d's trained rows were not written (%s); the step goes on", step, exc
+                        )
+                        metrics["rows_saved"] = 0
                 await self._commits.complete(model, service, directory, step, "train", metrics)
 
             # a cancelled caller still gets the step saved and recorded (its weights change) before it is
