@@ -106,6 +106,12 @@ class VLLMConfig(_Frozen):
     stop_grace_s: float = Field(
         default=20.0, gt=0, description="a server asked to stop gets this long before SIGKILL"
     )
+    drain_timeout_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="full fine-tuning's rolling restart: a replica's requests in flight get this long to end "
+        "before it restarts on the new weights",
+    )
 
     @property
     def urls(self) -> tuple[str, ...]:

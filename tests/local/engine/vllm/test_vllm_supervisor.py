@@ -203,6 +203,7 @@ async def test_sleeping_and_full_weight_reloads_apply_to_every_replica():
         assert [s.loads for s in first] == [[("/sleep?level=1&mode=wait", None)]] * 2
     assert all(s.loads[-1] == ("/wake_up", None) for s in first)
     await engine.publish(1, "/ckpt/0001", adapter=False)  # full fine-tuning: every replica restarts on it
+    await until(lambda: len(started) == 2 and all(r.state == "up" for r in engine.replicas.replicas))
     assert sorted(started) == [(0, "/ckpt/0001"), (1, "/ckpt/0001")] and all(s.stopped for s in first)
     assert [r.state for r in engine.replicas.replicas] == [
         "up",
@@ -226,6 +227,35 @@ async def test_a_replica_that_died_unnoticed_does_not_fail_a_training_step():
     await engine.close()
 
 
+async def test_a_full_weights_reload_rolls_while_the_other_replicas_serve():
+    """Full fine-tuning restarted every replica at once (every rollout failed for the restart's minutes).
+    Now half restart first, one at a time, while the others serve the old weights; then requests go to the
+    new weights and the rest restart."""
+    first = [FakeVLLM(), FakeVLLM()]
+    starting, release, started = threading.Event(), threading.Event(), []
+
+    def start(index: int, weights, cancel) -> FakeVLLM:
+        started.append((index, weights))
+        starting.set()
+        assert release.wait(20)
+        return FakeVLLM()
+
+    engine = served(first, VLLMConfig(**FAST), start)
+    publish = asyncio.ensure_future(engine.publish(1, "/ckpt/0001", adapter=False))
+    await until(starting.is_set)
+    assert started == [(0, "/ckpt/0001")] and engine.replicas.eligible("m") == [1]
+    streams = engine.generate([1, 2, 3], SamplingParams(max_tokens=3), 1)  # (served meanwhile: by replica 1)
+    assert [c.token_id async for c in streams[0]] and streams[0].finish_reason in ("stop", "length")
+    release.set()
+    await publish
+    assert engine.replicas.weights == "/ckpt/0001" and engine.replicas.eligible("m") == [0]
+    await until(
+        lambda: started == [(0, "/ckpt/0001"), (1, "/ckpt/0001")] and engine.replicas.eligible("m") == [0, 1]
+    )
+    assert engine.replicas[1].restarts_in_a_row == 0  # (a planned restart, not a crash's)
+    await engine.close()
+
+
 async def test_a_full_weights_reload_goes_on_when_one_replica_fails_to_restart():
     first = [FakeVLLM(), FakeVLLM()]
 
@@ -236,8 +266,8 @@ async def test_a_full_weights_reload_goes_on_when_one_replica_fails_to_restart()
 
     engine = served(first, VLLMConfig(**SLOW), start)
     await engine.publish(1, "/ckpt/0001", adapter=False)  # one replica came up: the step is served
+    await until(lambda: "CUDA out of memory" in (engine.replicas[1].down_reason or ""))
     assert [r.state for r in engine.replicas.replicas] == ["up", "down"]
-    assert "CUDA out of memory" in engine.replicas[1].down_reason
     await engine.close()
 
 

@@ -7,8 +7,8 @@ temperature 1, the convention of the embedded engine and of the trainer). Stoppi
 stops only at the gateway's end-of-turn ids (`ignore_eos`, `stop_token_ids`), and the stop token is kept.
 
 Weights follow training: each step's adapter is loaded at runtime as `{model}@{step}` and new requests go
-to it; adapters older than `lora_window` steps are unloaded. Full fine-tuning restarts the server on the
-step's checkpoint (a supervised server only).
+to it; adapters older than `lora_window` steps are unloaded. Full fine-tuning restarts the servers on the
+step's checkpoint (supervised servers only), rolling: with several replicas some serve while others restart.
 
 Several servers (`VLLMConfig.replicas`, or several urls) serve one model: the router (replica_router.py)
 picks each request's replica, the replica set (vllm_replicas.py) keeps them alive and loaded. A request
@@ -241,8 +241,8 @@ class VLLMEngine:
                 self.replicas.suspect(replica.index)
 
     async def reload_weights(self, checkpoint: str) -> None:
-        """Full fine-tuning: every replica restarts on the new checkpoint."""
-        await self.replicas.reload(checkpoint)
+        """Full fine-tuning: the replicas restart on the new checkpoint, rolling (ReplicaSet.reload)."""
+        await self.replicas.reload(checkpoint, lambda index: self.router.in_flight[index])
 
     # ------------------------------------------------------------------ around training
     async def run_exclusive(self, fn: Callable[[], Any], *, changes_weights: bool = True) -> Any:

@@ -65,7 +65,8 @@ class VLLMLaunch:
                         f.result().stop()
                 raise next(f.exception() for f in starts if f.exception())  # type: ignore[misc]
             servers = [f.result() for f in starts]
-            replicas = [Replica(i, s.base_url, s.api_key, s) for i, s in enumerate(servers)]
+            weights = str(full_weights) if full_weights else None
+            replicas = [Replica(i, s.base_url, s.api_key, s, weights=weights) for i, s in enumerate(servers)]
             base = self.served_name
 
             def start(index: int, checkpoint: str | None, cancel: threading.Event) -> VLLMServer:

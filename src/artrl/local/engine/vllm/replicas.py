@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,11 +67,14 @@ class ReplicaSet(Supervisor):
 
     # ------------------------------------------------------------------ routing
     def eligible(self, target: str) -> list[int]:
-        """Replicas that are up and hold `target` (the base model, or an adapter loaded into them)."""
+        """Replicas that are up, run the current weights and hold `target` (the base model, or an adapter
+        loaded into them)."""
         return [
             r.index
             for r in self.replicas
-            if r.state == "up" and (target == self.base_name or target in r.adapters)
+            if r.state == "up"
+            and r.weights == self.weights
+            and (target == self.base_name or target in r.adapters)
         ]
 
     def suspect(self, index: int) -> None:
@@ -183,25 +187,38 @@ class ReplicaSet(Supervisor):
         if up and len(failed) == len(up):
             raise EngineError(f"no vLLM replica took {path}:" + "".join(f" {e}." for _, e in failed))
 
-    async def reload(self, checkpoint: str) -> None:
-        """Full fine-tuning: every replica restarts on `checkpoint` (concurrently). One that does not come up
-        is left to the supervisor; none coming up is an error."""
+    async def reload(self, checkpoint: str, in_flight: Callable[[int], int] = lambda index: 0) -> None:
+        """Full fine-tuning: the replicas restart on `checkpoint`, rolling. With two or more, half of them
+        restart first, one at a time (each once its requests in flight ended, within drain_timeout_s), kept
+        out of service while the others serve the old weights; then the new weights are current (requests go
+        to those), and the supervisor restarts the rest. One replica restarts at once. A replica that does not
+        come up is left to the supervisor; none on the new weights is an error."""
         if self._start is None:
             raise EngineError(
                 "full fine-tuning with a vLLM server artrl did not start (VLLMConfig.url) cannot reload the "
                 "weights; train a LoRA, or let artrl start the server"
             )
-        self.weights = checkpoint
+        live = [r for r in self.replicas if r.state != "failed"]
+        first = live[: max(1, len(live) // 2)] if len(live) > 1 else live
 
         def restart(replica: Replica) -> None:
             with replica.lock:
-                replica.state = "reloading"
+                replica.state = "reloading"  # (out of service: no new request)
+                deadline = time.monotonic() + self.config.drain_timeout_s
+                while in_flight(replica.index) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 try:
-                    self.replace_server(replica)
+                    self.replace_server(replica, checkpoint)
                 except Exception as exc:  # the supervisor tries again
                     replica.state, replica.down_reason = "down", f"its restart on {checkpoint} failed: {exc}"
                     log.warning("%s: %s", replica.name(), replica.down_reason)
 
-        await asyncio.gather(*(asyncio.to_thread(restart, r) for r in self.replicas if r.state != "failed"))
-        if not any(r.state == "up" for r in self.replicas):
+        if len(live) > 1:
+            for replica in first:
+                await asyncio.to_thread(restart, replica)
+        else:
+            await asyncio.gather(*(asyncio.to_thread(restart, r) for r in live))
+        if not any(r.state == "up" and r.weights == checkpoint for r in self.replicas):
             raise EngineError(f"no vLLM replica came up on {checkpoint}: {self.unavailable(self.base_name)}")
+        self.weights = checkpoint  # requests go to the replicas on it; the supervisor restarts the others
+        self._wake.set()

@@ -51,6 +51,7 @@ class Replica:
         0  # streamed chunks received from it (the supervisor tells a busy server from a dead one)
     )
     tokens_at_check: int = 0
+    weights: str | None = None  # full fine-tuning: the checkpoint its server runs (None: the base)
     # held while its server changes and around an adapter load (re-entrant: a restart loads the adapter)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
@@ -122,6 +123,9 @@ class Supervisor:
             replica.tokens_at_check = replica.tokens_seen
             if replica.server is not None and not replica.server.alive:
                 self._down(replica, replica.server.describe_exit())
+            elif replica.weights != self.weights and self._start is not None:  # (a rolling reload's rest)
+                self._down(replica, f"it runs {replica.weights or 'the base weights'}, not {self.weights}")
+                replica.restarts_in_a_row -= 1  # (a planned restart: not one towards max_restarts)
             elif (failure := self.probe(replica)) is not None:
                 reason, timed_out = failure
                 replica.health_failures = 0 if timed_out and busy else replica.health_failures + 1
@@ -177,15 +181,17 @@ class Supervisor:
             except Exception as exc:
                 replica.state, replica.down_reason = "down", f"its restart failed: {exc}"
 
-    def replace_server(self, replica: Replica) -> None:
-        """Stop the replica's server, start a new one on the current weights, load the adapter, mark it up
-        (the caller holds replica.lock and has taken it out of "up")."""
+    def replace_server(self, replica: Replica, weights: str | None = None) -> None:
+        """Stop the replica's server, start a new one on `weights` (default: the current ones), load the
+        adapter, mark it up (the caller holds replica.lock and has taken it out of "up")."""
         assert self._start is not None
+        weights = self.weights if weights is None else weights
         replica.adapters = []
         replica.life += 1
         if replica.server is not None:
             replica.server.stop()
-        server = self._start(replica.index, self.weights, self._closed)
+        server = self._start(replica.index, weights, self._closed)
+        replica.weights = weights
         replica.server, replica.base_url, replica.api_key = server, server.base_url, server.api_key
         replica.life += 1
         if self._closed.is_set():
