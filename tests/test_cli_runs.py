@@ -281,3 +281,18 @@ async def test_vllm_serves_the_merged_model(runs, tmp_path, capsys):
         await model.register(backend)
         response = await model.openai_client().chat.completions.create(model="m", **GREEDY)
         assert response.choices[0].token_ids
+
+
+def test_version_and_env_say_what_a_bug_report_needs(capsys):
+    import artrl
+    from artrl.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"artrl {artrl.__version__}"
+    assert main(["env", "--json", "--vllm-python", "/nonexistent/python"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["packages"]["artrl"] == artrl.__version__ and report["packages"]["torch"]
+    assert report["torch_devices"]["cuda"] in (True, False) and report["vllm_environment"] is None
+    assert main(["env", "--vllm-python", "/nonexistent/python"]) == 0
+    assert "transformers:" in capsys.readouterr().out

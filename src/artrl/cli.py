@@ -183,9 +183,23 @@ _RUN_COMMANDS = {
 }
 
 
+def _env(args: argparse.Namespace) -> int:
+    from artrl.env_report import as_text, environment
+
+    report = environment(args.vllm_python)
+    print(json.dumps(report, indent=2) if args.json else as_text(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from artrl import __version__
+
     parser = argparse.ArgumentParser(prog="artrl", description="artrl: RL for multi-turn tool-using agents")
+    parser.add_argument("--version", action="version", version=f"artrl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    env = commands.add_parser("env", help="versions and devices, for a bug report")
+    env.add_argument("--json", action="store_true", help="as JSON")
+    env.add_argument("--vllm-python", default=None, help="vLLM's environment's python (default .venv-vllm's)")
     tiny = commands.add_parser("tiny-model", help="build a small model folder offline")
     tiny.add_argument("directory", help="output folder (Hugging Face format)")
     tiny.add_argument("--preset", default="tiny", help="tiny (~0.23M parameters) or small (~27M)")
@@ -193,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "--family",
         default=None,
         help="instead: a tiny model with a real family's chat template and special tokens, fine-tuned to "
-        "call tools in its format (qwen2_5, qwen3, qwen3_5, llama3_1, gpt_oss, glm4_5)",
+        "call tools in its format (qwen2_5, qwen3, qwen3_5, llama3_1, gpt_oss, gemma4, glm4_5)",
     )
     tiny.add_argument("--seed", type=int, default=None, help="override the preset's seed")
     check = commands.add_parser(
@@ -209,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tiny_model(parser, args)
     if args.command == "check-template":
         return _check_template(parser, args)
+    if args.command == "env":
+        return _env(args)
     try:  # bad input: one line saying what was wrong and what to do, exit code 2, never a traceback
         return _RUN_COMMANDS[args.command](args)
     except (ValueError, OSError) as exc:
