@@ -26,6 +26,8 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # the request names a step (`name@step`): it ends with an error rather than go on with other weights
+    pinned: bool = False
 
 
 @dataclass(frozen=True)

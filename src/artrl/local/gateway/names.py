@@ -18,11 +18,14 @@ class ServedNames:
         self.names = list(names)
         self.step = step  # read by the gateway's thread, set by the trainer's wiring (one int: atomic)
 
-    def check(self, requested: str) -> None:
-        """Accept `requested` or raise the 404 that says what is served."""
+    def check(self, requested: str) -> bool:
+        """Accept `requested` (True: pinned to the step served, `name@step`) or raise the 404 that says
+        what is served."""
         step = self.step  # read once: a publish may move it meanwhile
-        if requested in self.names or requested in (f"{n}@{step}" for n in self.names):
-            return
+        if requested in self.names:
+            return False
+        if requested in (f"{n}@{step}" for n in self.names):
+            return True
         base, at, suffix = requested.rpartition("@")
         if at and base in self.names:
             if not suffix.isdigit():

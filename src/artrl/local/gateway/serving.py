@@ -86,7 +86,7 @@ class ChatServing:
         before generation. The gateway runs it on its preparation thread (with the builder's own copy of the
         tokenizer), so the event loop keeps serving every other client meanwhile."""
         policy_step = self.names.step  # (before anything else: a publish may move it meanwhile)
-        self.names.check(request.model)
+        pinned = self.names.check(request.model)
         if request.n > self.max_n:
             raise RequestError(
                 f"n={request.n} exceeds the limit of {self.max_n}", param="n", code="invalid_value"
@@ -128,6 +128,7 @@ class ChatServing:
             seed=request.seed,
             top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0,
             stop_token_ids=frozenset() if request.ignore_eos else self.format.stop_ids,
+            pinned=pinned,
         )
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if any(not s for s in stops):

@@ -71,6 +71,7 @@ class HFEngine:
         self._device = next(model.parameters()).device
         self.adapters = adapters
         self._turns: dict[str | None, int] = {}  # adapter -> when its last job ran (adapters=True)
+        self._versions: dict[str | None, int] = {}  # adapter -> times its weights changed (None: all)
         self._job_count = 0
         auto = config.merge_lora == "auto" and self._device.type == "cpu"
         merge = not adapters and (config.merge_lora == "always" or auto)
@@ -117,7 +118,9 @@ class HFEngine:
                 # nearby seeds share no sequences; the first is seeded as a request for one)
                 generator = random.Random((params.seed + i * 0x9E3779B97F4A7C15) % 2**64)
             stream = SequenceStream(loop, self._idle_timeout_s)
-            sequences.append(RunningSequence(stream, params, generator, adapter=adapter))
+            sequence = RunningSequence(stream, params, generator, adapter=adapter)
+            sequence.version = self.weights_version(adapter)  # (a pinned request's weights: these)
+            sequences.append(sequence)
         self._incoming.put(Request(list(prompt_ids), sequences, adapter))
         self._worker.wake()
         return [s.stream for s in sequences]
@@ -289,6 +292,35 @@ class HFEngine:
                 except BaseException as exc:  # delivered to the caller
                     job.future.set_exception(exc)
         torch.set_num_threads(self._threads[0])
+        changed = [job.adapter for job in jobs if job.changes_weights]
+        for adapter in changed:
+            self._versions[adapter] = self._versions.get(adapter, 0) + 1
+        if changed:
+            self._end_stale_pinned()
+
+    def weights_version(self, adapter: str | None) -> int:
+        """How many times the weights `adapter` samples from changed (a training step, a load)."""
+        version = self._versions.get(None, 0)
+        return version + (self._versions.get(adapter, 0) if adapter is not None else 0)
+
+    def _end_stale_pinned(self, requests: list[Request] | None = None) -> None:
+        """Sequences of requests pinned to a step (`name@step`) whose weights changed since they came end
+        with an error: none goes on, or starts, with other weights than its step's."""
+        message = (
+            "the served weights moved to a newer step while this request, pinned to its step (name@step), "
+            "waited or generated: send it again, pinned to the step served now"
+        )
+        candidates = requests if requests is not None else [*self._steps.pending]
+        sequences = [s for r in candidates for s in r.sequences]
+        if requests is None:
+            sequences += self._steps.batch.sequences
+        stale = [s for s in sequences if s.params.pinned and s.version != self.weights_version(s.adapter)]
+        if not stale:
+            return
+        fail_sequences(stale, message)
+        self._steps.pending = [r for r in self._steps.pending if not all(s.done for s in r.sequences)]
+        with torch.inference_mode():  # (the batch's cache tensors are inference tensors)
+            self._steps.drop_finished()
 
     def _collect_requests(self, block: bool) -> bool:
         """Move what arrived to the pending requests and jobs (waiting a little when block); whether any."""
@@ -298,7 +330,13 @@ class HFEngine:
         except queue.Empty:
             return False
         while item is not None:
-            (self._jobs if isinstance(item, _Job) else self._steps.pending).append(item)
+            if isinstance(item, _Job):
+                self._jobs.append(item)
+            elif not item.sequences[0].params.pinned:
+                self._steps.pending.append(item)
+            else:  # (its weights may have changed since it came: a step ran meanwhile)
+                self._steps.pending.append(item)
+                self._end_stale_pinned([item])
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:

@@ -27,6 +27,7 @@ class RunningSequence:
     adapter: str | None = (
         None  # the LoRA adapter it samples from (an engine serving several; None: the model)
     )
+    version: int = 0  # its weights' version when it came (HFEngine.weights_version)
 
     def finish(self, reason) -> None:
         if not self.done:
