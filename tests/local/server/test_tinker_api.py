@@ -342,16 +342,18 @@ def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
 
 def test_a_closed_session_unloads_its_training_clients(tinker_server, base_dir, monkeypatch):
     """ServiceClient.close() ends its session: its training clients are unloaded (the tenant's model limit,
-    8, does not fill up over 9 sessions), their saved states stay loadable, and a call to one says why."""
+    8, does not fill up over 10 sessions), their saved states stay loadable, and a call to one says why."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    for i in range(9):
+    for _ in range(9):
         with tinker.ServiceClient(base_url=tinker_server, api_key=BOB) as service:
             training = service.create_lora_training_client(base_model=str(base_dir), rank=8).result()
-            datum, _ = sentence_datum(tinker, training.get_tokenizer())
-            loss = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
-            saved = training.save_state(f"s{i}").result().path
+    with tinker.ServiceClient(base_url=tinker_server, api_key=BOB) as service:  # (the 10th)
+        training = service.create_lora_training_client(base_model=str(base_dir), rank=8).result()
+        datum, _ = sentence_datum(tinker, training.get_tokenizer())
+        loss = training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+        saved = training.save_state("s").result().path
     import httpx
 
     ended = httpx.post(  # (the closed client's own SDK objects refuse calls: a raw call to its model)
@@ -365,4 +367,4 @@ def test_a_closed_session_unloads_its_training_clients(tinker_server, base_dir, 
         resumed = service.create_training_client_from_state(saved).result()
         assert resumed.forward([datum], "cross_entropy").result().metrics["loss:sum"] == loss
         runs = service.create_rest_client().list_training_runs(limit=100).result()
-        assert runs.cursor.total_count == 10  # (the ended ones are listed, with their checkpoints)
+        assert runs.cursor.total_count == 11  # (the ended ones are listed, with their checkpoints)
