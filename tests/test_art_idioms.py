@@ -198,3 +198,29 @@ def test_arts_temporal_clue_loop_runs_ported(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in history.read_text().splitlines()]
     assert [(r["split"], r["step"]) for r in rows] == [("val", 0), ("train", 1)]
     assert rows[0]["trajectories"] == 4 and rows[1]["groups"] == 4
+
+
+def test_arts_other_names_for_the_same_settings():
+    """Code written for ART passes these names; each means what it means there (docs/from-art.md)."""
+    assert art.TrainConfig(beta=0.1).kl_coef == 0.1 and art.TrainConfig(kl_coef=0.2).kl_coef == 0.2
+    assert art.LoRAConfig is art.LoraConfig and art.TrainSFTConfig is art.SFTConfig
+    config = train_config(None, {"loss_fn": "cispo", "kl_penalty_coef": 0.05, "normalize_advantages": False})
+    assert (config.loss, config.kl_coef, config.scale_rewards) == ("cispo", 0.05, False)
+
+    seen_art, seen_artrl, calls = [], [], []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError(f"attempt {len(calls)}")
+        return "ok"
+
+    arts = art.retry(
+        delay=0, backoff_factor=3.0, on_retry=lambda exc, attempt: seen_art.append((str(exc), attempt))
+    )
+    assert arts(flaky)() == "ok" and seen_art == [("attempt 1", 1), ("attempt 2", 2)]
+    calls.clear()
+    ours = art.retry(
+        initial_delay=0, on_retry=lambda attempt, exc, delay: seen_artrl.append((attempt, delay))
+    )
+    assert ours(flaky)() == "ok" and seen_artrl == [(1, 0.0), (2, 0.0)]

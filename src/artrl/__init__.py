@@ -55,6 +55,7 @@ __all__ = [
     "GatewayConfig",
     "GatherError",
     "History",
+    "LoRAConfig",
     "LoadConfig",
     "LocalBackend",
     "LoraConfig",
@@ -70,6 +71,7 @@ __all__ = [
     "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "TrainerConfig",
     "TrainerRanksError",
@@ -87,6 +89,10 @@ __all__ = [
     "rewards",
     "rollouts_ahead",
 ]
+# ART's names of the same configs (`art.LoRAConfig`, `art.TrainSFTConfig`: code written for ART runs as is)
+LoRAConfig = LoraConfig
+TrainSFTConfig = SFTConfig
+
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see __getattr__ below
     from artrl.local.backend.local_backend import CheckpointError, LocalBackend
     from artrl.local.train.ranks.trainer_ranks import TrainerRanksError

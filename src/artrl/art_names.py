@@ -22,6 +22,9 @@ TRAIN_NAMES: dict[str, str] = {
     "truncated_importance_sampling": "tis_cap",
     "logprob_calculation_chunk_size": "logprob_chunk_size",
     "allow_training_without_logprobs": "allow_rendered_turns",
+    "kl_penalty_coef": "kl_coef",
+    "loss_fn": "loss",  # ("ppo" or "cispo": the losses both have)
+    "normalize_advantages": "scale_rewards",  # (dividing each group's advantages by its std)
 }
 # accepted and without effect in artrl: every step is saved, progress goes to the history and trackers
 IGNORED_TRAIN_NAMES = frozenset({"save_checkpoint", "verbose"})

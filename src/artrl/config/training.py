@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from artrl.config.frozen import _Frozen
 
@@ -100,7 +100,12 @@ class TrainConfig(_Frozen):
     tis_cap: float | None = Field(
         default=None, gt=0, description="truncated importance sampling: cap on trainer/sampler ratio"
     )
-    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty to the base model (adapter disabled)")
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        validation_alias=AliasChoices("kl_coef", "beta"),  # (ART's name: TrainConfig(beta=...))
+        description="KL penalty to the base model (adapter disabled)",
+    )
     scale_rewards: bool = Field(
         default=True, description="divide advantages by the group std (False: Dr.GRPO)"
     )

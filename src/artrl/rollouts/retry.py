@@ -15,8 +15,9 @@ log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-OnRetry = Callable[[int, BaseException, float], None]
-"""Called before each wait: (the attempt that failed, counting from 1, its exception, the delay in seconds)."""
+OnRetry = Callable[..., None]
+"""Called before each wait: (the attempt that failed, counting from 1, its exception, the delay in seconds);
+a callback of two parameters is called as ART calls its own, (the exception, the attempt)."""
 
 # Never retried, whatever `exceptions` says: they mean "stop", not "try again".
 _NEVER_RETRIED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit)
@@ -53,6 +54,8 @@ def retry(
     exceptions: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
     jitter: float = 0.1,
     on_retry: OnRetry | None = None,
+    delay: float | None = None,
+    backoff_factor: float | None = None,
 ) -> Callable[[F], F]: ...
 def retry(
     fn: Callable[..., Any] | None = None,
@@ -65,6 +68,8 @@ def retry(
     exceptions: type[BaseException] | tuple[type[BaseException], ...] = (Exception,),
     jitter: float = 0.1,
     on_retry: OnRetry | None = None,
+    delay: float | None = None,
+    backoff_factor: float | None = None,
 ) -> Any:
     """Decorate a function (``async def`` or plain) to call it again when it raises.
 
@@ -75,8 +80,12 @@ def retry(
     exceptions that are instances of `exceptions` are retried: any other propagates at once, as do
     cancellation, KeyboardInterrupt and SystemExit. When every attempt fails, the last exception is
     re-raised. `on_retry(attempt, exception, delay)` is called before each wait (each retry is also logged
-    at WARNING on the ``artrl.rollouts.retry`` logger).
+    at WARNING on the ``artrl.rollouts.retry`` logger); one of two parameters as ART's, `on_retry(exception,
+    attempt)`. ART's names `delay` and `backoff_factor` are `initial_delay` and `backoff`.
     """
+    initial_delay = initial_delay if delay is None else delay
+    backoff = backoff if backoff_factor is None else backoff_factor
+    art_order = on_retry is not None and _positional_parameters(on_retry) == 2
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     if initial_delay < 0 or max_delay < 0:
@@ -108,7 +117,7 @@ def retry(
             delay,
         )
         if on_retry is not None:
-            on_retry(attempt, exc, delay)
+            on_retry(exc, attempt) if art_order else on_retry(attempt, exc, delay)
 
     def decorate(func: F) -> F:
         if not callable(func):
@@ -154,3 +163,14 @@ def retry(
     if fn is not None:
         return decorate(fn)  # type: ignore[arg-type]
     return decorate
+
+
+def _positional_parameters(fn: Callable[..., Any]) -> int | None:
+    """How many positional parameters `fn` takes (None: unknown, or any number)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
