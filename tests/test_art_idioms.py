@@ -224,3 +224,27 @@ def test_arts_other_names_for_the_same_settings():
         initial_delay=0, on_retry=lambda attempt, exc, delay: seen_artrl.append((attempt, delay))
     )
     assert ours(flaky)() == "ok" and seen_artrl == [(1, 0.0), (2, 0.0)]
+
+
+def test_arts_typed_model_config():
+    """ART's flagship example types its model's settings: `art.TrainableModel[Cfg](..., config=Cfg(...))`,
+    read back as `model.config.x`; a dict becomes the config class; art.Model takes one too."""
+    from pydantic import BaseModel
+
+    class PolicyConfig(BaseModel):
+        max_turns: int = 10
+        use_tools: bool = True
+
+    model = art.TrainableModel[PolicyConfig](
+        name="agent", project="p", base_model="m", config=PolicyConfig(max_turns=3)
+    )
+    assert model.config.max_turns == 3 and isinstance(model, art.TrainableModel)
+    assert art.TrainableModel[PolicyConfig](
+        name="a", project="p", base_model="m", config={"max_turns": 4}
+    ).config == (PolicyConfig(max_turns=4))
+    assert art.TrainableModel(name="a", project="p", base_model="m", config=PolicyConfig()).config.use_tools
+    assert art.TrainableModel(name="a", project="p", base_model="m").config is None
+    assert (
+        art.Model[PolicyConfig](name="judge", project="p", config=PolicyConfig(max_turns=1)).config.max_turns
+        == 1
+    )

@@ -192,10 +192,10 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from artrl import __version__
+    from importlib.metadata import version
 
     parser = argparse.ArgumentParser(prog="artrl", description="artrl: RL for multi-turn tool-using agents")
-    parser.add_argument("--version", action="version", version=f"artrl {__version__}")
+    parser.add_argument("--version", action="version", version=f"artrl {version('artrl')}")
     commands = parser.add_subparsers(dest="command", required=True)
     env = commands.add_parser("env", help="versions and devices, for a bug report")
     env.add_argument("--json", action="store_true", help="as JSON")

@@ -7,7 +7,7 @@ import functools
 import re
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import openai
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ModelConfig = TypeVar("ModelConfig")  # the user's own settings of a model (ART's typed config)
 
 
 class Backend(Protocol):
@@ -76,12 +77,19 @@ class TrainResult(BaseModel):
     metrics: dict[str, float | int]
 
 
-class TrainableModel(BaseModel):
+class TrainableModel(BaseModel, Generic[ModelConfig]):
+    """A model artrl serves and trains. `TrainableModel[MyConfig](..., config=MyConfig(...))` carries the
+    user's own settings (ART's typed config) as `model.config`, kept in the run's model.json and the
+    trackers' run config."""
+
     model_config = ConfigDict(extra="forbid")
 
     name: str
     project: str
     base_model: str = Field(description="Hugging Face hub id or local model folder")
+    config: ModelConfig | None = Field(
+        default=None, description="the user's own settings (a pydantic model or a dict), as ART's `config=`"
+    )
     lora: LoraConfig | None = Field(
         default_factory=LoraConfig, description="the trained adapter; None = full fine-tuning (small models)"
     )

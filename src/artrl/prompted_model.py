@@ -7,11 +7,12 @@ name), or the judge of `artrl.rewards.ruler_score_group`. ART's `art.Model`, wit
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from artrl.config import ClientConfig
+from artrl.model import ModelConfig
 
 if TYPE_CHECKING:
     import openai
@@ -19,13 +20,15 @@ if TYPE_CHECKING:
     from artrl.model import Backend
 
 
-class Model(BaseModel):
-    """A model served elsewhere (OpenAI, a vLLM server, another artrl gateway), prompted as it is."""
+class Model(BaseModel, Generic[ModelConfig]):
+    """A model served elsewhere (OpenAI, a vLLM server, another artrl gateway), prompted as it is.
+    `Model[MyConfig](..., config=MyConfig(...))` carries the user's own settings, as TrainableModel does."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="this model's name in artrl (its folder for logged evaluations)")
     project: str
+    config: ModelConfig | None = Field(default=None, description="the user's own settings (ART's `config=`)")
     inference_base_url: str | None = Field(
         default=None, description="the endpoint's base URL (…/v1); None = $OPENAI_BASE_URL, else OpenAI's"
     )
