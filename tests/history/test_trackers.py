@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -181,6 +183,22 @@ def test_a_tracker_that_raises_is_dropped_with_one_warning_and_the_others_go_on(
     assert len(warnings) == 2
     assert "'broken' failed to log (OSError: disk full)" in warnings[0]
     assert "'bc' failed to close (RuntimeError: cannot finish)" in warnings[1]
+
+
+def test_a_tracker_whose_close_hangs_is_left_behind_with_a_warning(caplog):
+    """W&B's finish() may wait forever on its service: the model's close goes on without it."""
+    release = threading.Event()
+    hanging, good = FakeTracker("hanging"), FakeTracker("good")
+    hanging.close = lambda: release.wait(60)  # type: ignore[method-assign]
+    trackers = Trackers([hanging, good], close_timeout_s=0.2)
+    started = time.monotonic()
+    try:
+        trackers.close()
+        assert time.monotonic() - started < 10 and good.closed == 1  # the next tracker still closes
+    finally:
+        release.set()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "artrl.history.trackers"]
+    assert len(warnings) == 1 and "'hanging' did not finish its run within 0.2 s" in warnings[0]
 
 
 def test_rows_become_split_prefixed_finite_numbers(caplog):

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 INSTALL = "pip install 'artrl[trackers]'"
 IDS_FILE = "trackers.json"  # in the model's folder: the W&B run id, so a resumed model continues its run
 ROW_KEYS = ("step", "split", "time")
+# how long one tracker's close may take (W&B's finish() waits on its service, which may hang: offline, a dead
+# process); past it the close is left running on its daemon thread and the model's close goes on
+CLOSE_TIMEOUT_S = 30.0
 
 
 class Tracker(Protocol):
@@ -169,8 +172,9 @@ def warn(tracker: str, action: str, exc: BaseException, hint: str) -> None:
 class Trackers:
     """The trackers of one model; `log` and `close` never raise."""
 
-    def __init__(self, trackers: list[Any]) -> None:
+    def __init__(self, trackers: list[Any], close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         self._trackers: list[Tracker] = list(trackers)
+        self._close_timeout_s = close_timeout_s
         self._lock = threading.Lock()  # rows may come from the event loop and from worker threads
 
     @property
@@ -205,9 +209,39 @@ class Trackers:
             trackers, self._trackers = self._trackers, []
         for tracker in trackers:
             try:
-                tracker.close()
+                finished = close_within(tracker, self._close_timeout_s)
             except Exception as exc:
                 warn(tracker.name, "close", exc, getattr(tracker, "hint", ""))
+                continue
+            if not finished:
+                log.warning(
+                    "experiment tracker %r did not finish its run within %g s; it is left to finish in the "
+                    "background (its last rows may be missing). %s",
+                    tracker.name,
+                    self._close_timeout_s,
+                    getattr(tracker, "hint", ""),
+                )
+
+
+def close_within(tracker: Tracker, timeout_s: float) -> bool:
+    """`tracker.close()` on a daemon thread (one that hangs never keeps the process from exiting): whether it
+    returned within `timeout_s`; raises what it raised."""
+    failure: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            tracker.close()
+        except BaseException as exc:  # (handed to the caller's thread)
+            failure.append(exc)
+
+    thread = threading.Thread(target=close, name=f"artrl-close-{tracker.name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return False
+    if failure:
+        raise failure[0]
+    return True
 
 
 def quietly_close(tracker: Tracker) -> None:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from artrl.local.dashboard.parsed_files import STEP_FILES
 from artrl.storage import read_history
 
 MAX_DEPTH = 4  # how deep under the root a run folder is looked for ({root}/{project}/{model} is 2)
@@ -118,9 +119,14 @@ def _trajectory_file(folder: Path, split: str, step: int) -> Path:
 
 
 def read_groups(folder: Path, split: str, step: int) -> list[dict[str, Any]]:
-    """The TrajectoryGroups of one step as JSON objects (a line torn by a crash is skipped)."""
+    """The TrajectoryGroups of one step as JSON objects (a line torn by a crash is skipped); parsed once
+    while the file is unchanged (shared: read only)."""
+    return STEP_FILES.get(_trajectory_file(folder, split, step), parse_groups)
+
+
+def parse_groups(path: Path) -> list[dict[str, Any]]:
     groups = []
-    for line in _trajectory_file(folder, split, step).read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             groups.append(json.loads(line))
         except json.JSONDecodeError:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
-from artrl.storage import read_step_rows
+from artrl.local.dashboard.parsed_files import STEP_FILES
+from artrl.storage import read_step_rows, rows_path
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +20,8 @@ class TokenText:
     """Each token id as text (a token that is part of a multi-byte character shows as its bytes' text)."""
 
     def __init__(self, folder: Path, base_model: str | None) -> None:
+        self.folder_saved = (folder / "tokenizer").is_dir()  # before the load: one saved meanwhile is new
+        self.loaded_at = time.monotonic()
         self._decode = self._load(folder, base_model)
         self._cache: dict[int, str] = {}
 
@@ -50,15 +54,27 @@ class TokenText:
         return self._cache[token]
 
 
+# a tokenizer that did not load is tried again after this long: loading a hub id offline fails only after
+# the hub's retries, which every view of the run would otherwise wait for
+TOKENIZER_RETRY_S = 60.0
+
 _TOKEN_TEXTS: dict[tuple[Path, str | None], TokenText] = {}
 
 
 def token_text(folder: Path, base_model: str | None) -> TokenText:
-    """The run's TokenText, loaded once (tried again while none loads: a run may save its tokenizer later)."""
+    """The run's TokenText, loaded once; while none loads, tried again after TOKENIZER_RETRY_S, or at once
+    when the run saves its tokenizer folder (a run that has not registered yet)."""
     key = (folder, base_model)
-    if key not in _TOKEN_TEXTS or not _TOKEN_TEXTS[key].available:
-        _TOKEN_TEXTS[key] = TokenText(folder, base_model)
-    return _TOKEN_TEXTS[key]
+    text = _TOKEN_TEXTS.get(key)
+    if text is None or (
+        not text.available
+        and (
+            time.monotonic() - text.loaded_at >= TOKENIZER_RETRY_S
+            or (not text.folder_saved and (folder / "tokenizer").is_dir())
+        )
+    ):
+        text = _TOKEN_TEXTS[key] = TokenText(folder, base_model)
+    return text
 
 
 def _number(value: Any) -> float | None:
@@ -105,7 +121,7 @@ def recorded_rows(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
 
 def trained_rows(folder: Path, step: int, group: int, index: int) -> list[dict[str, Any]] | None:
     """The rows a train step trained for one trajectory; None when the step kept no record of them."""
-    records = read_step_rows(folder, step)
+    records = STEP_FILES.get(rows_path(folder, step), lambda _: read_step_rows(folder, step))
     if not records:
         return None
     return [r for r in records if r.get("group") == group and r.get("trajectory") == index]

@@ -415,3 +415,20 @@ async def test_max_restarts_counts_restarts_in_a_row_without_serving():
     await until(lambda: engine.replicas[0].state == "failed")
     assert engine.replicas[0].restarts == 2 and len(started) == 2
     await engine.close()
+
+
+# ---------------------------------------------------------------- event loops
+async def test_the_client_of_an_event_loop_that_ended_is_dropped():
+    """Sync callers run each request in its own `asyncio.run`: the engine keeps no client per ended loop."""
+    fake = FakeVLLM()
+    engine = served([fake], VLLMConfig(**SLOW))
+
+    def five_loops() -> list[list[int]]:  # (asyncio.run refuses a thread whose loop runs: this one's)
+        return [asyncio.run(generate(engine)) for _ in range(5)]
+
+    assert await asyncio.to_thread(five_loops) == [[10, 11, 12]] * 5
+    assert len(engine._clients) == 1  # the last loop's: ended too, dropped when a next loop asks
+    assert await generate(engine) == [10, 11, 12]
+    assert list(engine._clients) == [asyncio.get_running_loop()]
+    await engine.close()
+    fake.stop()

@@ -87,8 +87,8 @@ class RunningBatch:
         """Prefill waiting requests into the batch, in their order: as many as fit in its free rows, in the
         prefill token budget (prompts are left-padded to the longest) and in the KV cache budget (every row is
         padded to the longest: rows × the longest row's prompt + max_tokens × token_bytes); always at least one
-        when the batch is empty (an over-budget request runs alone) or, with a free row, within the budget. A
-        request that does not fit waits at the head: the ones behind it do not pass it."""
+        when the batch is empty (an over-budget request, or one with more sequences than max_batch_size, runs
+        alone). A request that does not fit waits at the head: the ones behind it do not pass it."""
         room = self._max_batch_size - len(self.batch.sequences)
         rows = len(self.batch.sequences)
         widest = max(
@@ -104,7 +104,8 @@ class RunningBatch:
                 for s in request.sequences:
                     s.finish("abort")
                 continue
-            if not (room >= len(request.sequences) or (not admitted and room > 0)):
+            # (not any free row: n=4 with one row free would overfill the batch; it waits for an empty one)
+            if room < len(request.sequences) and rows > 0:
                 break
             padded = max(longest, len(request.prompt_ids)) * (len(admitted) + 1)
             if admitted and padded > self._max_prefill_tokens:

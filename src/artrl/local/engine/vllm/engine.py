@@ -123,6 +123,11 @@ class VLLMEngine:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
+            # a loop that ended (one `asyncio.run` per call) never asks again: its client goes, unclosed
+            # (closing needs that loop; its connections went with it), else one leaks per loop ever used
+            for other in list(self._clients):  # (a copy: other loops' threads may add theirs meanwhile)
+                if other.is_closed():
+                    self._clients.pop(other, None)
             timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
             client = self._clients[loop] = httpx.AsyncClient(timeout=timeout, limits=limits)
