@@ -154,6 +154,20 @@ async def test_streaming_call_is_recorded_with_token_ids(served):
     assert len(choice.token_logprobs) == len(ids) and choice.prompt_token_ids
 
 
+async def test_unknown_message_keys_are_not_captured(served):
+    """A capture keeps of a message only the keys the gateway reads: whatever else a client sends along
+    (here 1 KB of it) is neither stored in the capture nor trained on."""
+    hi = {"role": "user", "content": "hi", "junk": "x" * 1000}
+    async with artrl.capture(served) as cap:
+        body = {"model": "tiny", "messages": [hi], "max_tokens": 2}
+        async with httpx.AsyncClient(timeout=30) as http:
+            response = await http.post(f"{cap.base_url}/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+    (record,) = cap.records
+    assert record["messages"] == [{"role": "user", "content": "hi"}]
+    assert cap.trajectory.messages()[0] == {"role": "user", "content": "hi"}
+
+
 async def test_errors_are_clear(served):
     async with artrl.capture(served) as cap:
         pass

@@ -95,6 +95,46 @@ async def test_closing_the_steps_cancels_what_runs_ahead_at_once():
     assert sorted(cancelled) == [1, 2]  # both steps running ahead, cancelled as the block closed
 
 
+async def test_the_callers_cancellation_is_not_swallowed_by_a_step_that_ignores_its_cancel():
+    """Closing the steps waits for the ones running ahead to end; a step whose cleanup ignores its cancel keeps
+    it waiting, and cancelling the caller then ends the wait at once with CancelledError (before: the wait
+    swallowed every exception, the caller's own cancellation too, and the caller carried on)."""
+    import contextlib
+
+    ignoring, release = asyncio.Event(), asyncio.Event()
+    stubborn: list[asyncio.Task] = []
+
+    async def gather(k: int) -> int:
+        if k == 0:
+            return k
+        stubborn.append(asyncio.current_task())
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            ignoring.set()  # a cleanup that takes its time: the first cancel is ignored
+        await release.wait()
+        return k
+
+    async def caller() -> str:
+        async with contextlib.aclosing(artrl.rollouts_ahead(gather, steps=3, ahead=1)) as steps:
+            async for _step in steps:
+                break  # closing cancels step 1, which ignores it: the close waits for it
+        return "carried on"
+
+    task = asyncio.create_task(caller())
+    try:
+        await asyncio.wait_for(ignoring.wait(), timeout=10)
+        await asyncio.sleep(0.05)  # the caller waits on step 1 now
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert done, "the cancelled caller is still waiting"
+        with pytest.raises(asyncio.CancelledError):
+            task.result()
+    finally:
+        release.set()
+        await asyncio.wait({task, *stubborn}, timeout=5)
+
+
 async def _group(model, seed: int, n: int = 2) -> artrl.TrajectoryGroup:
     client = model.openai_client()
     trajectories = []

@@ -33,6 +33,11 @@ class GatewayConfig(_Frozen):
     stored_responses: int = Field(
         default=1000, ge=0, description="Responses API: the last responses kept for `previous_response_id`"
     )
+    stored_responses_bytes: int = Field(
+        default=256 << 20,
+        ge=1024,
+        description="Responses API: bytes (as JSON) the kept responses hold at most; the oldest go first",
+    )
     startup_timeout_s: float = Field(default=60.0, gt=0)
     keep_alive_s: float = Field(
         default=75.0,

@@ -24,7 +24,6 @@ the maze demo's GRPO phase took 0.85x the synchronous time on 2 CPU cores. `ahea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -61,6 +60,10 @@ async def rollouts_ahead(
     finally:
         for task in running.values():
             task.cancel()
-        for task in running.values():
-            with contextlib.suppress(BaseException):
-                await task
+        if running:
+            # wait for them to end, whatever their outcome; not `suppress(BaseException): await task`, which
+            # also swallowed the caller's own cancellation (a step ignoring its cancel then held it forever)
+            await asyncio.wait(running.values())
+            for task in running.values():
+                if not task.cancelled():
+                    task.exception()  # retrieved: no "exception was never retrieved" warning

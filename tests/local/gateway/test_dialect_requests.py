@@ -130,3 +130,28 @@ def test_a_stop_sequence_is_reported_as_anthropic_does():
     }
     assert stop_fields({"finish_reason": "tool_calls"}) == {"stop_reason": "tool_use", "stop_sequence": None}
     assert stop_fields({"finish_reason": "length"})["stop_reason"] == "max_tokens"
+
+
+def test_stored_responses_are_bounded_in_bytes_the_oldest_going_first():
+    """`previous_response_id` continues a kept response; the kept ones hold at most `stored_responses_bytes`
+    (before: only their count was bounded, 1000 conversations of any size), and one evicted is not found."""
+    dialect = ResponsesDialect(GatewayConfig(stored_responses=1000, stored_responses_bytes=10_000))
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+
+    def respond(text: str) -> str:
+        _, asked = dialect.chat_request(json.dumps({"model": "m", "input": "go"}).encode())
+        message = {"role": "assistant", "content": text}
+        completion = {"choices": [{"message": message, "finish_reason": "stop"}], "usage": usage}
+        return dialect.reply(None, completion, asked)["id"]
+
+    def continued(response_id: str) -> list[dict]:
+        body = {"model": "m", "input": "more", "previous_response_id": response_id}
+        return json.loads(dialect.chat_request(json.dumps(body).encode())[0])["messages"]
+
+    first, second, third = (respond(letter * 4000) for letter in "abc")  # 3 x ~4 KB over 10 KB
+    assert continued(third)[1] == {"role": "assistant", "content": "c" * 4000}
+    assert continued(second)[1]["content"] == "b" * 4000
+    with pytest.raises(RequestError, match="not found") as caught:
+        continued(first)
+    assert caught.value.code == "previous_response_not_found"
+    assert continued(respond("small"))[1]["content"] == "small"  # room is made for each new one

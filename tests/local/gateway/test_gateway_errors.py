@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import threading
 from typing import Any
 
@@ -493,6 +494,15 @@ async def test_empty_tool_calls_list_means_no_tool_calls(served):
     assert response.status_code == 200, response.text
 
 
+async def test_a_tool_name_with_a_trailing_newline_is_refused(served):
+    """Before, the name's pattern ended in `$`, which also matches before a final newline: "get_weather\\n"
+    was served, and a template rendered the newline into the prompt."""
+    bad, follow_up = await send_then_follow_up(served.inference_base_url, chat(tools=[tool("get_weather\n")]))
+    error = assert_error(bad, 400)
+    assert error["code"] == "invalid_value" and error["param"] == "tools.0.function.name", error
+    check_valid_response(follow_up)
+
+
 def test_server_errors_have_the_server_error_type():
     from artrl.local.gateway.protocol import RequestError
 
@@ -501,7 +511,8 @@ def test_server_errors_have_the_server_error_type():
 
 async def test_an_oversized_body_is_refused_before_it_is_read(served):
     """A declared 1 TB body is refused at once, without waiting for (or holding) any of it; a chunked body
-    is refused as soon as it passes the limit (before: the whole body was read into memory first)."""
+    is refused as soon as it passes the limit (before: the whole body was read into memory first). The
+    chunked body never ends (no last chunk): a gateway that waited for all of it would not answer in time."""
     import asyncio
     from urllib.parse import urlsplit
 
@@ -516,17 +527,31 @@ async def test_an_oversized_body_is_refused_before_it_is_read(served):
     writer.close()
     assert b" 413 " in status_line
 
-    async def chunks():
-        for _ in range(20):
-            yield b" " * (1 << 20)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
 
-    async with httpx.AsyncClient(timeout=30) as client:
-        response = await client.post(
-            f"{served.inference_base_url}/chat/completions",
-            content=chunks(),
-            headers={"content-type": "application/json"},
+    async def send_chunks() -> None:  # past the 8 MiB limit, then nothing: no last chunk ends the body
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
         )
-    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        for _ in range(9):
+            writer.write(b"100000\r\n" + b" " * (1 << 20) + b"\r\n")  # (100000 hex: 1 MiB)
+            await writer.drain()  # (may wait for ever, or fail, once the gateway stops reading)
+
+    sending = asyncio.create_task(send_chunks())
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), timeout=10)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        length = re.search(rb"(?im)^content-length: *(\d+)", head)
+        body = length and await asyncio.wait_for(reader.readexactly(int(length[1])), timeout=10)
+    finally:
+        sending.cancel()
+        await asyncio.wait({sending})
+        if not sending.cancelled():
+            sending.exception()  # (a reset connection: the gateway closed it after answering)
+        writer.close()
+    assert b" 413 " in status_line and body, (status_line, head)
+    assert json.loads(body)["error"]["code"] == "request_too_large"
 
 
 class _HeldTemplate:

@@ -7,7 +7,6 @@ stops its generation (499) and leaves no record: it never saw the answer, and ma
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from fastapi import Request
@@ -73,8 +72,11 @@ class Calls:
             while not (await asyncio.wait({work}, timeout=0.25))[0]:
                 if await request.is_disconnected():  # the client gave up (and may retry): stop generating
                     work.cancel()
-                    with contextlib.suppress(BaseException):
-                        await work
+                    # its end awaited, whatever it was, but not `suppress(BaseException)`: that also
+                    # swallowed this handler's own cancellation (the server shutting down, say)
+                    await asyncio.wait({work})
+                    if not work.cancelled():
+                        work.exception()  # retrieved: no "exception was never retrieved" warning
                     return Response(status_code=499)
             body = work.result()
         except EngineError as exc:

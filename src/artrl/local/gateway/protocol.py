@@ -23,7 +23,8 @@ from pydantic import (
     ValidationError,
 )
 
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# fullmatch, never match with `$`: `$` also matches before a final newline ("get_weather\n")
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 Number = StrictInt | StrictFloat
 
 
@@ -211,7 +212,7 @@ def _check_unsupported(r: ChatRequest) -> None:
 def _check_tools(r: ChatRequest) -> None:
     names = [t.function.name for t in r.tools or []]
     for i, name in enumerate(names):
-        if not _FUNCTION_NAME.match(name):
+        if not _FUNCTION_NAME.fullmatch(name):
             raise RequestError(
                 f"tools[{i}].function.name {name!r} must match {_FUNCTION_NAME.pattern}",
                 param=f"tools.{i}.function.name",

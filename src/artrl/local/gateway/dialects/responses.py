@@ -2,7 +2,7 @@
 
 Input items (messages, `function_call`, `function_call_output`, `reasoning`) become chat messages; function
 tools become chat tools; `previous_response_id` continues a response this gateway made (kept in memory, the
-last `GatewayConfig.stored_responses`), so a conversation continues token-exactly either way: sent back
+last `GatewayConfig.stored_responses`, within `stored_responses_bytes`), so a conversation continues token-exactly either way: sent back
 whole, or by id. The answer's output items are the chat completion's reasoning, text and tool calls, with
 the same token fields a chat choice carries (`prompt_token_ids`, `token_ids`, ...) on the response.
 """
@@ -10,6 +10,7 @@ the same token fields a chat choice carries (`prompt_token_ids`, `token_ids`, ..
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -91,8 +92,12 @@ def _check_text(text: dict[str, Any]) -> None:
 
 class ResponsesDialect:
     def __init__(self, config: GatewayConfig) -> None:
-        self._kept: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # response id -> its conversation
-        self._limit = config.stored_responses
+        # response id -> its conversation and that conversation's size as JSON; read on the preparation
+        # thread, written on the event loop: under the lock
+        self._kept: OrderedDict[str, tuple[list[dict[str, Any]], int]] = OrderedDict()
+        self._kept_bytes = 0
+        self._limit, self._byte_limit = config.stored_responses, config.stored_responses_bytes
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- request
     def chat_request(self, raw: bytes) -> tuple[bytes, Asked]:
@@ -133,15 +138,17 @@ class ResponsesDialect:
     def _previous(self, response_id: Any) -> list[dict[str, Any]]:
         if response_id is None:
             return []
-        kept = self._kept.get(response_id) if isinstance(response_id, str) else None
+        with self._lock:
+            kept = self._kept.get(response_id) if isinstance(response_id, str) else None
         if kept is None:
             raise RequestError(
                 f"previous response {response_id!r} not found: the gateway keeps its last {self._limit} "
-                "responses in memory (GatewayConfig.stored_responses); send the conversation as input instead",
+                f"responses, at most {self._byte_limit} bytes, in memory (GatewayConfig.stored_responses, "
+                "stored_responses_bytes); send the conversation as input instead",
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        return kept
+        return kept[0]
 
     def _keep(self, asked: Asked, message: dict[str, Any]) -> None:
         if self._limit <= 0:
@@ -149,9 +156,14 @@ class ResponsesDialect:
         reply = {
             k: message[k] for k in ("role", "content", "tool_calls", "reasoning_content") if message.get(k)
         }
-        self._kept[asked.response_id] = [*asked.history, {"content": "", **reply}]
-        while len(self._kept) > self._limit:
-            self._kept.popitem(last=False)
+        conversation = [*asked.history, {"content": "", **reply}]
+        size = len(json.dumps(conversation))  # (a long conversation kept by many ids is counted by each)
+        with self._lock:
+            replaced = self._kept.pop(asked.response_id, None)
+            self._kept_bytes += size - (replaced[1] if replaced else 0)
+            self._kept[asked.response_id] = (conversation, size)
+            while len(self._kept) > self._limit or self._kept_bytes > self._byte_limit:
+                self._kept_bytes -= self._kept.popitem(last=False)[1][1]
 
     # ---------------------------------------------------------------- answers
     def reply(self, prepared: PreparedRequest, completion: dict[str, Any], context: Asked) -> dict[str, Any]:
