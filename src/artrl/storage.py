@@ -208,20 +208,64 @@ def read_history(directory: Path) -> list[dict[str, Any]]:
     return rows
 
 
+OLD_PREFIX = ".old-"  # `final` moved aside while publish_directory replaces it
+
+
 def publish_directory(tmp: Path, final: Path) -> None:
     """Make a fully written temporary directory visible under its final name in one rename; its files, the
     directory and the rename are on disk before this returns (a crash or power loss at any instant leaves
-    either the old state or the whole new directory)."""
+    either the old state or the whole new directory). An existing `final` is moved aside to `.old-{name}`
+    first and removed last: a crash between the two renames leaves it there, and
+    `restore_interrupted_publishes` puts it back (deleting it first would lose it)."""
+    import shutil
+
+    _sync_tree(tmp)
+    old = final.parent / f"{OLD_PREFIX}{final.name}"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)  # (an earlier publish's: `final` is the newer copy)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_new_directory(tmp: Path, final: Path) -> None:
+    """`publish_directory` where `final` must not hold anything: absent or an empty folder (removed first;
+    rmdir itself refuses one that is not empty, so what another writer put there meanwhile stays)."""
+    _sync_tree(tmp)
+    if final.is_dir():
+        final.rmdir()
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+
+
+def _sync_tree(tmp: Path) -> None:
     for file in tmp.rglob("*"):
         if file.is_file():
             fsync_path(file)
     fsync_path(tmp)
-    if final.exists():
-        import shutil
 
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_path(final.parent)
+
+def restore_interrupted_publishes(directory: Path) -> list[Path]:
+    """Put back what a crash inside `publish_directory` left moved aside (a checkpoint or the tokenizer
+    whose replacement never landed) in the model folder `directory` and its checkpoints; returns the folders
+    restored. Call it only where nothing publishes in that folder meanwhile (its lock held): a publish in
+    flight has its `final` moved aside for an instant too."""
+    import shutil
+
+    restored = []
+    for parent in (directory, directory / "checkpoints"):
+        if not parent.is_dir():
+            continue
+        for old in sorted(parent.glob(f"{OLD_PREFIX}*")):
+            final = parent / old.name.removeprefix(OLD_PREFIX)
+            if final.exists():  # (the new copy landed: only the removal of the old one was cut off)
+                shutil.rmtree(old, ignore_errors=True)
+                continue
+            os.replace(old, final)
+            fsync_path(parent)
+            restored.append(final)
+    return restored
 
 
 def repair_history(directory: Path) -> int:
@@ -239,3 +283,19 @@ def repair_history(directory: Path) -> int:
     for row in missing:
         append_history(directory, row)
     return len(missing)
+
+
+class OutputFolderError(ValueError):
+    """An output folder that is not new or empty (writing there could overwrite a base model's files)."""
+
+
+def prepare_output(out: str | os.PathLike[str]) -> Path:
+    """`out` as a folder to create: refused (OutputFolderError) when something is there already."""
+    path = Path(out)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise OutputFolderError(f"{path} exists and is not an empty folder; give a new output folder")
+    if not path.parent.is_dir():
+        raise OutputFolderError(
+            f"{path.parent} does not exist; create it first or give another output folder"
+        )
+    return path

@@ -37,6 +37,7 @@ from artrl.storage import (
     lock_model_dir,
     model_dir,
     repair_history,
+    restore_interrupted_publishes,
     write_step_rows,
     write_trajectories,
 )
@@ -152,6 +153,8 @@ class ModelsHere:
         key = (model.project, model.name)
         self.service(model)
         async with self._train_locks[key]:
+            # a step whose checkpoint failed: written now, or logged as lost (no later train call writes it)
+            await self._commits.write_unsaved_at_close(model, self._services[key], self.directory(model))
             service = self._services.pop(key)
             del self._train_locks[key]
             trackers, lock = self._trackers.pop(key, None), self._locks.pop(key, None)
@@ -167,6 +170,7 @@ class ModelsHere:
         """model.json written, the service started from the latest checkpoint (the folder locked)."""
         from artrl.local.service.service import LocalService
 
+        restore_interrupted_publishes(directory)  # (a crash mid-publish: the folder's lock is ours now)
         spec = {
             "name": model.name,
             "project": model.project,
@@ -236,7 +240,7 @@ class ModelsHere:
                 )
             batch = build_batch(
                 fresh,
-                service.chat_format,
+                service.train_format,  # (not the gateway's: it decodes on another thread meanwhile)
                 service.max_context,
                 config.scale_rewards,
                 config.advantage_eps,
@@ -286,7 +290,7 @@ class ModelsHere:
         async with self._train_locks[(model.project, model.name)]:
             await self._commits.write_unsaved(model, service, directory)
             self._renderer = self._renderer or RowRenderer()
-            per_trajectory = await sft_rows(self._renderer, service.chat_format, trajectories, config)
+            per_trajectory = await sft_rows(self._renderer, service.train_format, trajectories, config)
             too_long = sum(len(r.ids) > service.max_context for rows in per_trajectory for r in rows)
             per_trajectory = [
                 [r for r in rows if len(r.ids) <= service.max_context] for rows in per_trajectory
@@ -369,6 +373,13 @@ class ModelsHere:
     async def close(self) -> None:
         if self._renderer is not None:
             await asyncio.to_thread(self._renderer.close)
+        for model in self._commits.unsaved_models():  # (as in unregister: written now or logged as lost)
+            key = (model.project, model.name)
+            if key in self._services:
+                async with self._train_locks[key]:
+                    await self._commits.write_unsaved_at_close(
+                        model, self._services[key], self.directory(model)
+                    )
         services, self._services = list(self._services.values()), {}
         trackers, self._trackers = list(self._trackers.values()), {}
         locks, self._locks = list(self._locks.values()), {}

@@ -9,8 +9,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from artrl.local.runs.run_folder import TRAINING_FILES, Run, RunError, prepare_output
-from artrl.storage import publish_directory
+from artrl.local.runs.run_folder import TRAINING_FILES, Run, RunError
+from artrl.storage import prepare_output, publish_directory
 
 
 def export_step(run: Run, out: str | Path, step: int | None = None) -> tuple[int, Path]:

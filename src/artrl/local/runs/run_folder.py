@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from artrl.storage import checkpoint_dir, checkpoint_steps
+from artrl.storage import (
+    FolderInUseError,
+    checkpoint_dir,
+    checkpoint_steps,
+    lock_model_dir,
+    restore_interrupted_publishes,
+)
 
 # what a checkpoint holds besides the weights (training state, not part of a Hugging Face folder)
 TRAINING_FILES = ("optimizer.pt", "history_row.json")
@@ -61,6 +67,7 @@ def open_run(path: str | Path) -> Run:
         )
         hint = f" (runs below it: {', '.join(map(str, below[:5]))})" if below else ""
         raise RunError(f"{directory} is not a run folder: it has no model.json{hint}")
+    _restore_if_unused(directory)
     try:
         spec = json.loads(spec_path.read_text())
         return Run(
@@ -76,11 +83,14 @@ def open_run(path: str | Path) -> Run:
         raise RunError(f"{spec_path} is not a model.json artrl wrote ({type(exc).__name__}: {exc})") from None
 
 
-def prepare_output(out: str | Path) -> Path:
-    """`out` as a folder to create: refused (RunError) when something is there already."""
-    path = Path(out)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise RunError(f"{path} exists and is not an empty folder; give a new output folder")
-    if not path.parent.is_dir():
-        raise RunError(f"{path.parent} does not exist; create it first or give another output folder")
-    return path
+def _restore_if_unused(directory: Path) -> None:
+    """A checkpoint a crash left moved aside mid-publish, put back, when no process has the run registered
+    (one that has it may be publishing this instant; it restores them itself when it registers again)."""
+    try:
+        lock = lock_model_dir(directory)
+    except (FolderInUseError, OSError):  # (in use, or a folder this user cannot write: read it as it is)
+        return
+    try:
+        restore_interrupted_publishes(directory)
+    finally:
+        lock.release()

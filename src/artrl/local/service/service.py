@@ -41,12 +41,19 @@ log = logging.getLogger(__name__)
 class LocalService:
     model: Any
     tokenizer: Any
-    chat_format: ChatFormat
+    chat_format: ChatFormat  # the gateway's: it decodes with its tokenizer on the gateway's thread
     engine: Engine
     server: GatewayServer
     trainer: Trainer | TrainerRanks | None = None
     max_context: int = 0
     names: ServedNames = field(default_factory=lambda: ServedNames([]))
+    # training's own copy (rows of model.train/train_sft, built on the caller's thread): a fast tokenizer
+    # used by two threads at once fails ("Already borrowed") or worse. None: chat_format's clone
+    train_format: ChatFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.train_format is None and self.chat_format is not None:
+            self.train_format = self.chat_format.clone()
 
     @property
     def step(self) -> int:
@@ -221,11 +228,28 @@ class LocalService:
         self.tokenizer.save_pretrained(str(directory))
 
     async def export(self, directory: str) -> None:
-        """The current weights as a Hugging Face folder with the tokenizer."""
+        """The current weights as a Hugging Face folder with the tokenizer, into a new or empty `directory`
+        (OutputFolderError otherwise: writing into a full one could overwrite a base model's own files). Written in a
+        temporary sibling folder and renamed into place at the end: a failed export leaves no half folder."""
+        import shutil
+
+        from artrl.storage import prepare_output, publish_new_directory
+
+        final = Path(directory)
+        final.parent.mkdir(parents=True, exist_ok=True)  # (as save_pretrained did, unlike `artrl export`)
+        prepare_output(final)
+        tmp = final.parent / f".tmp-export-{final.name}"
 
         def write() -> None:
-            save_weights(self.model, directory)
-            self.tokenizer.save_pretrained(directory)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                save_weights(self.model, str(tmp))
+                self.tokenizer.save_pretrained(str(tmp))
+                publish_new_directory(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
 
         await self.run_exclusive(write, changes_weights=False)
 

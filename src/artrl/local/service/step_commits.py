@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(RuntimeError):
     """A training step's checkpoint could not be written (the disk is full, say). The step is not lost: its
-    weights stay in memory and the next `train`/`train_sft` call writes that checkpoint first."""
+    weights stay in memory and the next `train`/`train_sft` call writes that checkpoint first (closing the
+    model tries once more, and logs the step as lost if it still cannot)."""
 
 
 class StepCommits:
@@ -28,8 +29,9 @@ class StepCommits:
 
     def __init__(self, record: Callable[[TrainableModel, Any, dict[str, Any]], None]) -> None:
         self._record = record
-        # a step whose checkpoint failed to write: (step, history row), written before any further step
-        self._unsaved: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+        # a step whose checkpoint failed to write: (model, step, history row), written before any further
+        # step, or at close
+        self._unsaved: dict[tuple[str, str], tuple[TrainableModel, int, dict[str, Any]]] = {}
 
     async def complete(
         self,
@@ -46,7 +48,7 @@ class StepCommits:
                 lambda: save_checkpoint(service, directory, step, row), changes_weights=False
             )
         except Exception as exc:  # ENOSPC, or torch/safetensors' own errors for a failed write
-            self._unsaved[(model.project, model.name)] = (step, row)
+            self._unsaved[(model.project, model.name)] = (model, step, row)
             raise CheckpointError(
                 f"step {step}'s checkpoint could not be written to {checkpoint_dir(directory, step)}: {exc}. "
                 f"The step is not lost: its weights are in memory and the next train or train_sft call writes "
@@ -81,7 +83,7 @@ class StepCommits:
         key = (model.project, model.name)
         if key not in self._unsaved:
             return
-        step, row = self._unsaved[key]
+        _, step, row = self._unsaved[key]
         try:
             await service.run_exclusive(
                 lambda: save_checkpoint(service, directory, step, row), changes_weights=False
@@ -93,3 +95,29 @@ class StepCommits:
             ) from exc
         del self._unsaved[key]
         await self._publish(model, service, directory, step, row, {})
+
+    def unsaved_models(self) -> list[TrainableModel]:
+        """The models with a step whose checkpoint is not written yet."""
+        return [model for model, _, _ in self._unsaved.values()]
+
+    async def write_unsaved_at_close(self, model: TrainableModel, service: LocalService, directory) -> None:
+        """`write_unsaved` before `model`'s service closes (no later train call would write it); never
+        raises: a step that still cannot be written is lost with the weights in memory, and said so."""
+        key = (model.project, model.name)
+        try:
+            await self.write_unsaved(model, service, directory)
+        except Exception as exc:
+            if key not in self._unsaved:  # (written: the engine or the history failed after it)
+                log.error(
+                    "model %r: its checkpoint written at close was not published whole: %s", model.name, exc
+                )
+                return
+            _, step, _ = self._unsaved.pop(key)
+            log.error(
+                "model %r (project %r): step %d is lost: its checkpoint could not be written before the model "
+                "closed (%s); its weights were only in memory. Training resumes from the checkpoint before it.",
+                model.name,
+                model.project,
+                step,
+                exc,
+            )

@@ -10,7 +10,6 @@ through the same function. A worker that fails or stops answering is stopped; it
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import logging
@@ -241,16 +240,17 @@ class RowRenderer:
 async def sft_rows(
     renderer: RowRenderer, chat_format: ChatFormat, trajectories: list[Trajectory], config: SFTConfig
 ) -> list[list[Row]]:
-    """Each trajectory's rows for `train_sft`; a large call on several cores and off the event loop (with
-    its own copy of the tokenizer), a small one right here."""
+    """Each trajectory's rows for `train_sft`; a large call on several cores and off the event loop, a small
+    one right here. `chat_format`: training's own (`LocalService.train_format`), never the gateway's, whose
+    tokenizer decodes on the gateway's thread meanwhile (a fast tokenizer is not for two threads at once)."""
     from artrl.local.concurrency.shielded import to_thread_to_the_end
 
     workers = default_workers() if config.render_workers is None else config.render_workers
     kwargs = config.chat_template_kwargs
     if not RowRenderer.parallel(len(trajectories), workers):
         return renderer.rows(trajectories, chat_format, kwargs, 0)
-    fmt = await asyncio.to_thread(chat_format.clone)
-    return await to_thread_to_the_end(renderer.rows, trajectories, fmt, kwargs, workers)
+    # (its thread has the format alone: the caller holds the training lock until that thread ends)
+    return await to_thread_to_the_end(renderer.rows, trajectories, chat_format, kwargs, workers)
 
 
 def _join(threads: list[threading.Thread], workers: list[_Worker]) -> None:
