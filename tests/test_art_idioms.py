@@ -248,3 +248,21 @@ def test_arts_typed_model_config():
         art.Model[PolicyConfig](name="judge", project="p", config=PolicyConfig(max_turns=1)).config.max_turns
         == 1
     )
+
+
+async def test_a_typed_config_is_kept_with_the_run(tiny_model_dir, tmp_path):
+    from pydantic import BaseModel
+
+    class PolicyConfig(BaseModel):
+        max_turns: int = 10
+
+    backend = art.LocalBackend(path=tmp_path / "runs")
+    model = art.TrainableModel[PolicyConfig](
+        name="typed", project="p", base_model=str(tiny_model_dir), config=PolicyConfig(max_turns=7)
+    )
+    await model.register(backend)
+    try:
+        saved = json.loads((tmp_path / "runs" / "p" / "typed" / "model.json").read_text())
+        assert saved["config"] == {"max_turns": 7}
+    finally:
+        await backend.close()

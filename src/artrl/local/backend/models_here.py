@@ -80,6 +80,19 @@ def recorded_engine(engine: EngineConfig) -> dict[str, Any]:
     return settings
 
 
+def user_config(config: Any) -> Any:
+    """A model's own settings (`TrainableModel(config=...)`) as JSON: a pydantic model dumped, else as given
+    when JSON can hold it, else its repr."""
+    if config is None:
+        return None
+    if hasattr(config, "model_dump"):
+        return config.model_dump(mode="json")
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError):
+        return repr(config)
+
+
 def _without_password(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
@@ -177,6 +190,7 @@ class ModelsHere:
             "base_model": model.base_model,
             "lora": model.lora.model_dump(mode="json") if model.lora else None,
             "chat_format": model.chat_format,
+            "config": user_config(model.config),  # (the user's own settings: model.json and the trackers)
         }
         saved = directory / "model.json"
         if saved.exists():
