@@ -266,3 +266,33 @@ async def test_a_typed_config_is_kept_with_the_run(tiny_model_dir, tmp_path):
         assert saved["config"] == {"max_turns": 7}
     finally:
         await backend.close()
+
+
+async def test_arts_current_trajectory_api():
+    """ART's current rollout idiom: the rollout fills `art.current_trajectory()`; `art.trajectory(...)` and
+    `art.trajectory_group(...)` give what it filled; `with art.Trajectory() as t:` opens one."""
+
+    async def rollout(reward: float, fail: bool = False) -> None:
+        t = art.current_trajectory()
+        t.messages_and_choices.append({"role": "user", "content": f"q{reward}"})
+        await asyncio.sleep(0)
+        if fail:
+            raise ValueError("tool timed out")
+        t.reward = reward
+
+    traj = await art.trajectory(rollout(0.5))
+    assert traj.reward == 0.5 and traj.messages_and_choices == [{"role": "user", "content": "q0.5"}]
+    group = await art.trajectory_group([rollout(1.0), rollout(0.0), rollout(0.0, fail=True)])
+    assert [t.reward for t in group.trajectories] == [1.0, 0.0]  # (each its own, concurrently)
+    assert group.exceptions == ["ValueError: tool timed out"]
+    with pytest.raises(ValueError, match="tool timed out"):
+        await art.trajectory_group([rollout(1.0, fail=True)], return_exceptions=False)
+
+    async def returns_its_own() -> art.Trajectory:
+        return art.Trajectory(reward=2.0)
+
+    assert (await art.trajectory(returns_its_own())).reward == 2.0
+    with art.Trajectory() as t:
+        assert art.current_trajectory() is t
+    with pytest.raises(RuntimeError, match="no trajectory is being recorded"):
+        art.current_trajectory()

@@ -31,6 +31,7 @@ from artrl.remote.backend import RemoteBackend, RemoteError
 from artrl.rollouts.dataset import DatasetBatch, iterate_dataset
 from artrl.rollouts.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from artrl.rollouts.pipeline import rollouts_ahead
+from artrl.rollouts.recording import current_trajectory, trajectory, trajectory_group
 from artrl.rollouts.retry import retry
 from artrl.tiny import build_tiny_model, ensure_tiny_model
 from artrl.trajectory import (
@@ -80,6 +81,7 @@ __all__ = [
     "VLLMConfig",
     "build_tiny_model",
     "capture",
+    "current_trajectory",
     "ensure_tiny_model",
     "gather_trajectories",
     "gather_trajectory_groups",
@@ -88,6 +90,8 @@ __all__ = [
     "retry",
     "rewards",
     "rollouts_ahead",
+    "trajectory",
+    "trajectory_group",
 ]
 # ART's names of the same configs (`art.LoRAConfig`, `art.TrainSFTConfig`: code written for ART runs as is)
 LoRAConfig = LoraConfig

@@ -8,12 +8,13 @@ exact `prompt_token_ids`, `token_ids` and `token_logprobs` the gateway attached 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 from collections.abc import Iterable
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 MessageOrChoice = Choice | dict[str, Any]
 Messages = list[dict[str, Any]]  # chat-completions messages (ART's `art.Messages`)
@@ -76,8 +77,30 @@ class Trajectory(History):
     logs: list[str] = Field(default_factory=list)
     additional_histories: list[History] = Field(default_factory=list)
 
+    _tokens: list[contextvars.Token] = PrivateAttr(default_factory=list)
+
     def log(self, message: str) -> None:
         self.logs.append(message)
+
+    def __enter__(self) -> Trajectory:
+        """`with art.Trajectory() as t:` (ART's idiom): `t` is `art.current_trajectory()` inside the block."""
+        self._tokens.append(RECORDING.set(self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        RECORDING.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> Trajectory:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
+
+
+# the trajectory being recorded in this context (artrl.current_trajectory; rollouts/recording.py)
+RECORDING: contextvars.ContextVar[Trajectory | None] = contextvars.ContextVar(
+    "artrl_trajectory", default=None
+)
 
 
 def _exception_text(exc: BaseException) -> str:

@@ -88,19 +88,23 @@ def tinker_router(
         await models.finish_session(session_id)
         return JSONResponse({})
 
-    @router.post("/create_model")
-    async def create_model(request: Request) -> Response:
-        tenant = tenant_of(request)
-        body = await body_of(request)
+    def creating(
+        tenant: str, body: dict[str, Any], create: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+    ) -> Response:
+        """A training client's creation as the session's call `model_seq_id` (a resubmit: the same call)."""
         try:
             models.check_session(tenant, str(body.get("session_id")))
         except UserError as exc:
             return user_error(exc)
         key = ("create", body.get("session_id"), body.get("model_seq_id"))
         request_id = models.futures.known(tenant, key) or models.futures.submit(
-            tenant, _created(models.create_model, tenant, body), key
+            tenant, _created(create, tenant, body), key
         )
         return JSONResponse({"request_id": request_id})
+
+    @router.post("/create_model")
+    async def create_model(request: Request) -> Response:
+        return creating(tenant_of(request), await body_of(request), models.create_model)
 
     @router.post("/get_info")
     async def get_info(request: Request) -> Response:
@@ -215,15 +219,7 @@ def tinker_router(
         tenant = tenant_of(request)
         body = await body_of(request)
         if body.get("model_id") is None:  # (create_training_client_from_state[_with_optimizer])
-            try:
-                models.check_session(tenant, str(body.get("session_id")))
-            except UserError as exc:
-                return user_error(exc)
-            key = ("create", body.get("session_id"), body.get("model_seq_id"))
-            request_id = models.futures.known(tenant, key) or models.futures.submit(
-                tenant, _created(models.create_from_state, tenant, body), key
-            )
-            return JSONResponse({"request_id": request_id})
+            return creating(tenant, body, models.create_from_state)
         return submitted(lambda: models.load(tenant, body), body)
 
     def fb(steps: Any, call: Any) -> tuple[list[list[float]], dict[str, float]]:
