@@ -265,7 +265,7 @@ class ModelsHere:
             batch.locations = [(g, origin[g][t]) for g, t in batch.locations]
             step = latest_step(directory) + 1
             write_trajectories(directory, "train", step, groups)
-            metrics = {**batch.metrics, **staleness}
+            metrics = {**batch.metrics, **staleness, "learning_rate": config.learning_rate}
 
             async def whole_step() -> None:
                 started = time.time()

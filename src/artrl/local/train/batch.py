@@ -139,7 +139,30 @@ def build_batch(
         "rows": len(batch.rows),
         "trainable_tokens": sum(r.trainable_tokens for r in batch.rows),
     }
+    batch.metrics = {
+        **rollout_metrics(groups, batch),
+        **batch.metrics,
+    }  # (a user's `reward` metric: not ours)
     return batch
+
+
+def rollout_metrics(groups: list[TrajectoryGroup], batch: TrainingBatch) -> dict[str, float]:
+    """What a training row says of the rollouts besides rewards: the rate of rollouts that raised (the
+    groups' `exceptions`), the sampled tokens per trajectory, and the mean of each of the user's own
+    trajectory metrics (`trajectory.metrics["win"]` -> `win_mean`, as `model.log` writes them)."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    failed = sum(len(g.exceptions) for g in groups)
+    sampled = {}
+    for row in [*batch.rows, *batch.untrained]:
+        sampled[row.trajectory] = sampled.get(row.trajectory, 0) + row.trainable_tokens
+    out = {
+        "exception_rate": failed / (failed + len(trajectories)) if failed + len(trajectories) else 0.0,
+        "completion_tokens_mean": sum(sampled.values()) / len(sampled) if sampled else 0.0,
+    }
+    for name in sorted({k for t in trajectories for k in t.metrics}):
+        values = [float(t.metrics[name]) for t in trajectories if name in t.metrics]
+        out[f"{name}_mean"] = sum(values) / len(values)
+    return out
 
 
 def _rounded(values: list[float | None]) -> list[float | None]:
