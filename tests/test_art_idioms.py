@@ -296,3 +296,8 @@ async def test_arts_current_trajectory_api():
         assert art.current_trajectory() is t
     with pytest.raises(RuntimeError, match="no trajectory is being recorded"):
         art.current_trajectory()
+
+
+def test_report_to_as_one_string():
+    assert art.TrainableModel(name="a", project="p", base_model="m", report_to="wandb").report_to == ("wandb",)
+    assert art.TrainableModel(name="a", project="p", base_model="m", report_to="none").report_to == ()

@@ -125,6 +125,14 @@ class TrainableModel(BaseModel, Generic[ModelConfig]):
             data["lora"] = art_names.lora_config(data.pop("lora_config"))
         return data
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker(cls, value: Any) -> Any:
+        """`report_to="wandb"` (TRL's string form) is `("wandb",)`; "none" is none."""
+        if isinstance(value, str):
+            return () if value == "none" else (value,)
+        return value
+
     @field_validator("name", "project")
     @classmethod
     def _safe(cls, value: str) -> str:
