@@ -90,3 +90,51 @@ def test_a_crash_after_the_new_folder_landed_keeps_the_new_one(run, monkeypatch)
     assert (checkpoints / ".old-0001").is_dir()
     assert (open_run(run).checkpoint()[1] / "weights.bin").read_text() == "new"
     assert [p.name for p in checkpoints.iterdir()] == ["0001"]
+
+
+CHILD = """
+import sys
+from pathlib import Path
+from artrl.storage import publish_directory
+directory = Path(sys.argv[1])
+for i in range(10**9):
+    tmp = directory / "checkpoints" / ".tmp-0001"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "weights.bin").write_text(f"version {i} " * 2000)
+    publish_directory(tmp, directory / "checkpoints" / "0001")
+    if i == 0:
+        print("publishing", flush=True)
+"""
+
+
+@pytest.mark.slow  # (10 processes killed mid-loop: a few seconds)
+def test_kill_9_during_republishes_always_leaves_a_whole_step(tmp_path):
+    """A process re-publishing step 1 in a loop, killed with SIGKILL at 10 moments: each time the step is
+    there, whole (one version's file), once what a kill between the renames left is put back."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from artrl.storage import restore_interrupted_publishes
+
+    directory = tmp_path / "p" / "m"
+    rng = random.Random(0)
+    restored = 0
+    for _ in range(10):
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(directory)], stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout.readline().strip() == "publishing"
+        time.sleep(rng.uniform(0.0, 0.3))
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        restored += len(restore_interrupted_publishes(directory))
+        text = (directory / "checkpoints" / "0001" / "weights.bin").read_text()
+        version = text.split()[1]
+        assert text == f"version {version} " * 2000  # (one version, whole)
+        assert not list((directory / "checkpoints").glob(".old-*"))
+    print(
+        f"\nKILL-9 RE-PUBLISH: 10/10 left step 1 whole; {restored} restored from a kill between the renames"
+    )
