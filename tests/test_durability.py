@@ -82,6 +82,26 @@ async def test_a_full_disk_during_a_checkpoint_loses_no_step(tiny_model_dir, sma
         assert (directory / "checkpoints" / "0002" / "model.safetensors").exists()
 
 
+async def test_a_full_disk_before_a_step_trains_nothing_and_loses_nothing(tiny_model_dir, small_disk):
+    """A disk too full for even the step's trajectories: the call fails before any weight changes (the
+    error says why), nothing is half-written, and once there is room the next call is the same step."""
+    filler = small_disk / "filler"
+    async with artrl.LocalBackend(path=small_disk / "artrl") as backend:
+        model = artrl.TrainableModel(name="m", project="p", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        directory = small_disk / "artrl" / "p" / "m"
+        config = artrl.TrainConfig(learning_rate=1e-3)
+        assert (await model.train([group(model.name)], config)).step == 1
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        filler.write_bytes(b"\0" * free)  # (no room at all)
+        with pytest.raises(OSError, match="No space left on device"):
+            await model.train([group(model.name)], config)
+        assert latest_step(directory) == 1 and [r["step"] for r in read_history(directory)] == [1]
+        filler.unlink()
+        assert (await model.train([group(model.name)], config)).step == 2
+        assert latest_step(directory) == 2 and [r["step"] for r in read_history(directory)] == [1, 2]
+
+
 def test_a_published_checkpoint_is_on_disk_first(tmp_path, monkeypatch):
     """Every file, the directory and the rename are fsynced (before: only the history line was)."""
     synced: list[str] = []
