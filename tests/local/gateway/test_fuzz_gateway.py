@@ -140,3 +140,46 @@ def test_arbitrary_json_and_bytes(gateway):
     check()
     assert gateway.get(str(gateway.base_url).removesuffix("/v1/") + "/health").status_code == 200
     print(f"\nFUZZ FIGURES: {json.dumps(figures, sort_keys=True)}")
+
+
+def nested(depth: int, leaf: object) -> object:
+    for i in range(depth):
+        leaf = [leaf] if i % 2 else {"k": leaf}
+    return leaf
+
+
+def test_sizes_and_depths(gateway):
+    """Size and depth strategies (issue 43): many messages, long texts (up to ~1 MB a body), many tools,
+    tool arguments nested up to 120 deep (the limit is 64), anywhere in a request: a 2xx or a 4xx, never 5xx."""
+    tool = st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {
+                    "name": st.from_regex(r"[a-z]{1,8}", fullmatch=True),
+                    "parameters": st.just({"type": "object"}),
+                }
+            ),
+        }
+    )
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=200)}
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.lists(message, min_size=1, max_size=200),
+        st.integers(0, 4000),
+        st.lists(tool, max_size=40),
+        st.integers(0, 120),
+    )
+    def check(messages, repeat, tools, depth):
+        messages = [*messages, {"role": "user", "content": "x" * (repeat * 250)}]
+        if depth:  # (deep JSON where a tool's schema is: the template renders it)
+            deep = {"type": "object", "properties": {"x": nested(depth, "leaf")}}
+            tools = [*tools, {"type": "function", "function": {"name": "deep", "parameters": deep}}]
+        body = {"model": "fuzz", "messages": messages, "max_tokens": 2, **({"tools": tools} if tools else {})}
+        post(gateway, json.dumps(body).encode(), "sizes and depths")
+
+    check()
+    print(f"\nFUZZ FIGURES (sizes, depths): {json.dumps(figures, sort_keys=True)}")
