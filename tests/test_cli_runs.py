@@ -296,3 +296,32 @@ def test_version_and_env_say_what_a_bug_report_needs(capsys):
     assert report["torch_devices"]["cuda"] in (True, False) and report["vllm_environment"] is None
     assert main(["env", "--vllm-python", "/nonexistent/python"]) == 0
     assert "transformers:" in capsys.readouterr().out
+
+
+def test_serve_and_merge_load_the_base_as_the_run_did(runs, tmp_path, capsys, monkeypatch):
+    """A run trained on a pinned revision (LoadConfig) is served and merged against those weights: serve's
+    engine keeps the run's LoadConfig; merge and the tokenizer pass its revision and trust_remote_code."""
+    from transformers import AutoModelForCausalLM
+
+    from artrl.local.runs.run_folder import open_run
+    from artrl.local.runs.serve_run import engine_config_of
+
+    pinned = tmp_path / "pinned"
+    shutil.copytree(runs.lora, pinned, ignore=shutil.ignore_patterns(".lock", "tokenizer"))
+    spec = json.loads((pinned / "model.json").read_text())
+    spec["engine"]["load"] = {**spec["engine"].get("load", {}), "revision": "main", "trust_remote_code": True}
+    (pinned / "model.json").write_text(json.dumps(spec))
+    run = open_run(pinned)
+    assert run.hub_options == {"revision": "main", "trust_remote_code": True}
+    assert engine_config_of(run).load.revision == "main" and engine_config_of(run).load.trust_remote_code
+    asked = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):  # (the real load, its options kept)
+        asked.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
+    code, _, err = cli(capsys, "merge", pinned, tmp_path / "merged")
+    assert code == 0, err
+    assert asked and asked[0]["revision"] == "main" and asked[0]["trust_remote_code"] is True

@@ -121,12 +121,13 @@ def check_placement(model: Any, config: EngineConfig) -> None:
         )
 
 
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer of a model folder or hub id (ValueError with what to do when it cannot be loaded)."""
+def load_tokenizer(model: str, **hub_options: Any) -> Any:
+    """The tokenizer of a model folder or hub id (ValueError with what to do when it cannot be loaded);
+    `hub_options`: from_pretrained's `revision`, `trust_remote_code`."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model, **hub_options)
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load the tokenizer of {model!r}: {exc}") from None
 

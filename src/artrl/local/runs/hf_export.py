@@ -39,7 +39,7 @@ def merge_step(run: Run, out: str | Path, step: int | None = None) -> tuple[int,
     from transformers import AutoModelForCausalLM
 
     try:
-        base = AutoModelForCausalLM.from_pretrained(run.base_model, dtype="auto")
+        base = AutoModelForCausalLM.from_pretrained(run.base_model, dtype="auto", **run.hub_options)
     except OSError as exc:
         raise RunError(
             f"could not load the run's base model {run.base_model!r} ({' '.join(str(exc).split())[:300]}); "
@@ -62,7 +62,7 @@ def save_tokenizer(run: Run, folder: Path) -> None:
         return
     from artrl.local.models.loading import load_tokenizer
 
-    load_tokenizer(run.base_model).save_pretrained(str(folder))
+    load_tokenizer(run.base_model, **run.hub_options).save_pretrained(str(folder))
 
 
 def _publish(out: str | Path, write: Callable[[Path], None]) -> Path:

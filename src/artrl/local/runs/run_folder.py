@@ -38,6 +38,13 @@ class Run:
     def is_lora(self) -> bool:
         return self.lora is not None
 
+    @property
+    def hub_options(self) -> dict[str, Any]:
+        """How the run loaded its base (`LoadConfig`'s `revision`, `trust_remote_code`), for every later
+        `from_pretrained` of it (serve, merge, the tokenizer): the same weights, not the hub's newest."""
+        load = self.engine.get("load") or {}
+        return {k: load[k] for k in ("revision", "trust_remote_code") if load.get(k) not in (None, False)}
+
     def checkpoint(self, step: int | None = None) -> tuple[int, Path]:
         """(step, folder) of checkpoint `step`, or of the latest one when None."""
         steps = checkpoint_steps(self.directory)

@@ -21,6 +21,7 @@ _KEPT = (
     "device",
     "default_max_tokens",
     "max_n",
+    "load",  # (how its base was loaded: the same revision, remote code, quantization)
 )
 
 
