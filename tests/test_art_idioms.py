@@ -98,8 +98,10 @@ def test_lora_config_takes_peft_names_or_artrl_names():
     assert lora_config(art.LoraConfig(rank=4)).rank == 4 and lora_config(None) is None
     with pytest.raises(ValueError, match="not both"):
         art.TrainableModel(name="m", project="p", base_model="x", lora=None, lora_config={"r": 4})
-    with pytest.raises(ValueError, match="no setting 'bias'"):
-        art.TrainableModel(name="m", project="p", base_model="x", lora_config={"bias": "none"})
+    with pytest.raises(ValueError, match="no setting 'fan_in_fan_out'"):
+        art.TrainableModel(name="m", project="p", base_model="x", lora_config={"fan_in_fan_out": True})
+    with pytest.raises(ValueError, match="plain LoRA: bias"):  # (bias="none", PEFT's default, is accepted)
+        art.TrainableModel(name="m", project="p", base_model="x", lora_config={"bias": "all"})
 
 
 def test_a_prompted_model_names_its_endpoint(monkeypatch):
@@ -299,5 +301,36 @@ async def test_arts_current_trajectory_api():
 
 
 def test_report_to_as_one_string():
-    assert art.TrainableModel(name="a", project="p", base_model="m", report_to="wandb").report_to == ("wandb",)
+    assert art.TrainableModel(name="a", project="p", base_model="m", report_to="wandb").report_to == (
+        "wandb",
+    )
     assert art.TrainableModel(name="a", project="p", base_model="m", report_to="none").report_to == ()
+
+
+def test_lora_in_pefts_words():
+    """A peft.LoraConfig (or its names in a dict) passes through lora_config=; "all-linear" is artrl's
+    default layers; what artrl's plain LoRA does not have (DoRA, rsLoRA, a bias, modules_to_save) is refused."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    default = art.LoraConfig().target_modules
+    assert lora_config(PeftLoraConfig(r=16, lora_alpha=32, target_modules="all-linear")) == art.LoraConfig(
+        rank=16, alpha=32, target_modules=default
+    )
+    assert lora_config(
+        PeftLoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj"])
+    ).target_modules == (
+        "q_proj",
+        "v_proj",
+    )
+    assert lora_config({"r": 8, "target_modules": "all-linear", "bias": "none"}).target_modules == default
+    model = art.TrainableModel(
+        name="a", project="p", base_model="m", lora_config=PeftLoraConfig(r=2, lora_alpha=4)
+    )
+    assert model.lora.rank == 2
+    for unsupported in (
+        PeftLoraConfig(r=4, use_dora=True),
+        {"r": 4, "use_rslora": True},
+        {"r": 4, "bias": "all"},
+    ):
+        with pytest.raises(ValueError, match="plain LoRA"):
+            lora_config(unsupported)

@@ -57,15 +57,40 @@ def train_config(base: TrainConfig | None, art_settings: dict[str, Any]) -> Trai
     return TrainConfig.model_validate({**config.model_dump(), **update}) if update else config
 
 
+# PEFT settings artrl's adapters do not have, with the value that means "not used"
+PEFT_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "bias": "none", "modules_to_save": None}
+
+
 def lora_config(value: Any) -> LoraConfig | None:
-    """ART's `lora_config=`: an artrl.LoraConfig, None (full fine-tuning), or a mapping with PEFT's names
-    (r, lora_alpha, lora_dropout, target_modules) or artrl's."""
+    """ART's `lora_config=`: an artrl.LoraConfig, None (full fine-tuning), a `peft.LoraConfig`, or a mapping
+    with PEFT's names (r, lora_alpha, lora_dropout, target_modules: "all-linear" is artrl's default, the
+    decoder's linear layers) or artrl's. A PEFT setting artrl's adapters do not have (DoRA, rsLoRA, a
+    bias, modules_to_save) is refused, never ignored."""
     if value is None or isinstance(value, LoraConfig):
         return value
     if hasattr(value, "model_dump"):
         value = value.model_dump(exclude_none=True)
+    elif type(value).__name__ == "LoraConfig" and hasattr(value, "lora_alpha"):  # (peft's, a dataclass)
+        used = [k for k, off in PEFT_UNSUPPORTED.items() if getattr(value, k, off) not in (off, False, None)]
+        if used:
+            raise ValueError(
+                f"artrl's LoRA adapters are plain LoRA: the peft.LoraConfig sets {', '.join(used)}, which they "
+                "do not have; leave those unset"
+            )
+        value = {k: getattr(value, k) for k in LORA_NAMES}
     elif not isinstance(value, dict):
-        raise ValueError(f"lora_config must be an artrl.LoraConfig or a dict, not {type(value).__name__}")
+        raise ValueError(
+            f"lora_config must be an artrl.LoraConfig, a peft.LoraConfig or a dict, not {type(value).__name__}"
+        )
+    else:
+        used = [k for k, off in PEFT_UNSUPPORTED.items() if k in value and value[k] not in (off, False, None)]
+        if used:
+            raise ValueError(f"artrl's LoRA adapters are plain LoRA: {', '.join(used)} is not supported")
+        value = {k: v for k, v in value.items() if k not in PEFT_UNSUPPORTED}
+    if value.get("target_modules") in ("all-linear", None):
+        value = {
+            k: v for k, v in value.items() if k != "target_modules"
+        }  # (artrl's default: the same layers)
     fields: dict[str, Any] = {}
     for name, setting in value.items():
         field = LORA_NAMES.get(name, name if name in LoraConfig.model_fields else None)
@@ -74,7 +99,13 @@ def lora_config(value: Any) -> LoraConfig | None:
                 f"artrl's LoRA has no setting {name!r}; it takes {', '.join(sorted(LORA_NAMES))} "
                 f"(PEFT's names) or {', '.join(LoraConfig.model_fields)}"
             )
-        fields[field] = tuple(setting) if field == "target_modules" else setting
+        if field == "target_modules":  # (a name, or names: peft keeps them as a set)
+            setting = (
+                (setting,)
+                if isinstance(setting, str)
+                else tuple(sorted(setting) if isinstance(setting, set) else setting)
+            )
+        fields[field] = setting
     return LoraConfig(**fields)
 
 
