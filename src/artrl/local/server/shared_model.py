@@ -40,6 +40,7 @@ class SharedModel:
         self._fused = False  # whether the engine runs the fused CPU forward (known once the base is loaded)
         self._saved: OrderedDict[tuple[str, int], str] = OrderedDict()  # saved adapter's file -> its name
         self._loading_saved = threading.Lock()
+        self._stop_ids: frozenset[int] | None = None
 
     @property
     def model(self) -> Any:
@@ -152,10 +153,13 @@ class SharedModel:
 
     def stop_ids(self) -> frozenset[int]:
         """The tokens a sample of the base (or of a saved adapter) stops at by default (blocking)."""
-        self.base_engine()
-        return ChatFormat.for_tokenizer(
-            self._tokenizer, None, end_of_turn_ids(self._model, self._tokenizer)
-        ).stop_ids
+        if self._stop_ids is None:  # (once: every sample asks)
+            self.base_engine()
+            fmt = ChatFormat.for_tokenizer(
+                self._tokenizer, None, end_of_turn_ids(self._model, self._tokenizer)
+            )
+            self._stop_ids = fmt.stop_ids
+        return self._stop_ids
 
     def _with_adapter(self, adapter: str, lora: LoraConfig) -> tuple[HFEngine, Any]:
         """The engine and the model, with a fresh adapter named `adapter` on it (loaded at the first)."""
