@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from hub_cache import cache_model
 
 import artrl
 from artrl.cli import main
@@ -124,6 +125,12 @@ async def test_history_of_a_run_and_of_a_root(runs, capsys):
         (["serve", "{root}/cli/agent", "--step", "9"], "no checkpoint of step 9"),
         (["serve", "{root}/cli/agent", "--host", "0.0.0.0"], "api_key"),
         (["serve", "{root}/cli/agent", "--api-key", "sekret"], "ps"),
+        (["serve", "{root}", "--engine", "vllm"], "not a run folder: it has no model.json (runs below it:"),
+        (
+            ["serve", "{root}/cli/agent", "--revision", "v2"],
+            "is a run folder: it is served as it was trained",
+        ),
+        (["serve", "org/model", "--step", "1"], "--step picks a checkpoint of a run folder"),
         (["dashboard", "{root}/nowhere"], "is not a folder"),
     ],
 )
@@ -254,7 +261,10 @@ async def test_serve_a_saved_step_to_any_openai_client_until_sigterm(runs):
     try:
         lines = Lines(proc)
         base_url = lines.until("base URL: ", timeout_s=120)
-        assert lines.seen[0].startswith("serving cli/agent step 2")
+        assert lines.seen[0].startswith(
+            "loading cli/agent step 2"
+        )  # (before minutes of loading, on big models)
+        assert lines.seen[1].startswith("serving cli/agent step 2")
         client = openai.OpenAI(base_url=base_url, api_key="sekret", timeout=60, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["agent", "agent@2"]
         for name in ("agent", "agent@2"):
@@ -273,14 +283,68 @@ async def test_serve_a_saved_step_to_any_openai_client_until_sigterm(runs):
             proc.communicate(timeout=30)
 
 
+def serving(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Lines]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "artrl.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    return proc, Lines(proc)
+
+
+def stop_serving(proc: subprocess.Popen, lines: Lines) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
+    assert lines.until("stopping", timeout_s=10) == "" and "Traceback" not in proc.stderr.read()
+
+
+def test_serve_a_hub_id_from_the_hub_cache_or_says_why_not(tiny_model_dir, tmp_path):
+    """A hub id resolves as huggingface_hub resolves it (here: a cache, offline); --revision picks the
+    snapshot; one that cannot be found is one line and exit code 2 (the model folder path is the same)."""
+    env = cache_model(tiny_model_dir, "acme/tiny-chat", tmp_path / "hub", revision="v1")
+    proc, lines = serving(["acme/tiny-chat", "--revision", "v1", "--name", "chat"], env)
+    try:
+        base_url = lines.until("base URL: ", timeout_s=120)
+        assert lines.seen[:2] == [
+            f"{verb} acme/tiny-chat as chat (hf engine)" for verb in ("loading", "serving")
+        ]
+        client = openai.OpenAI(base_url=base_url, api_key="x", timeout=60, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["chat", "chat@0"]
+        assert client.chat.completions.create(model="chat", **GREEDY).choices[0].token_ids
+        stop_serving(proc, lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    missing = subprocess.run(
+        [sys.executable, "-m", "artrl.cli", "serve", "acme/tiny-chat"],  # (no `main` ref: only v1 is cached)
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+    assert missing.returncode == 2 and missing.stderr.startswith("artrl serve: "), missing.stderr[-2000:]
+    assert missing.stderr.count("\n") == 1 and "acme/tiny-chat" in missing.stderr
+
+
 @pytest.mark.vllm
-async def test_vllm_serves_the_merged_model(runs, tmp_path, capsys):
-    assert cli(capsys, "merge", runs.lora, tmp_path / "merged")[0] == 0
-    async with artrl.LocalBackend(path=tmp_path / "runs", engine="vllm") as backend:
-        model = artrl.TrainableModel(name="m", project="cli", base_model=str(tmp_path / "merged"))
-        await model.register(backend)
-        response = await model.openai_client().chat.completions.create(model="m", **GREEDY)
-        assert response.choices[0].token_ids
+async def test_serve_a_run_on_vllm(runs):
+    proc, lines = serving([str(runs.lora), "--engine", "vllm"])
+    try:
+        base_url = lines.until("base URL: ", timeout_s=300)
+        assert "vllm engine" in lines.seen[1]
+        client = openai.OpenAI(base_url=base_url, api_key="x", timeout=120, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["agent", "agent@2"]
+        served = client.chat.completions.create(model="agent@2", **GREEDY).choices[0]
+        assert served.token_ids and served.model_extra["policy_step"] == 2  # the run's step-2 adapter
+        stop_serving(proc, lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
 
 
 def test_version_and_env_say_what_a_bug_report_needs(capsys):

@@ -44,8 +44,10 @@ def _check_template(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not isinstance(kwargs, dict):
         parser.error("--kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     try:
-        tokenizer = load_tokenizer(args.model)
-        fmt = ChatFormat.for_tokenizer(tokenizer, args.chat_format, extra_stop_ids=stop_ids_of(args.model))
+        hub = {"revision": args.revision, "trust_remote_code": args.trust_remote_code}
+        tokenizer = load_tokenizer(args.model, **{k: v for k, v in hub.items() if v})
+        stops = stop_ids_of(args.model, args.revision)
+        fmt = ChatFormat.for_tokenizer(tokenizer, args.chat_format, extra_stop_ids=stops)
         fmt.check_kwargs(kwargs)
     except ValueError as exc:
         print(f"artrl check-template: {exc}", file=sys.stderr)
@@ -75,9 +77,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from artrl.config import GatewayConfig
-    from artrl.local.runs.run_folder import open_run
-    from artrl.local.runs.serve_run import serve_run
+    from artrl.config import EngineConfig, GatewayConfig, LoadConfig
+    from artrl.local.runs.run_folder import RunError, open_run
+    from artrl.local.runs.serve_run import serve_model, serve_run
 
     if args.api_key is not None:
         raise ValueError(
@@ -88,7 +90,25 @@ def _serve(args: argparse.Namespace) -> int:
         Path(args.api_key_file).read_text().strip() if args.api_key_file else os.environ.get("ARTRL_API_KEY")
     )
     gateway = GatewayConfig(host=args.host, port=args.port, api_key=key or None)
-    serve_run(open_run(args.run_dir), args.step, gateway, say=lambda line: print(line, flush=True))
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    target = Path(args.target)
+    if (target / "model.json").is_file():  # a run folder: one of its saved steps
+        if args.revision or args.trust_remote_code or args.name:
+            raise RunError(
+                f"{target} is a run folder: it is served as it was trained (its model.json says how its base "
+                "was loaded and its name); --revision, --trust-remote-code and --name are for a model folder "
+                "or hub id"
+            )
+        serve_run(open_run(target), args.step, gateway, say=say, engine=args.engine)
+        return 0
+    if args.step is not None:
+        raise RunError(
+            f"--step picks a checkpoint of a run folder; {target} is not one (it has no model.json)"
+        )
+    if target.exists() and not (target / "config.json").is_file():
+        open_run(target)  # (says what it is not, and the runs below it)
+    load = LoadConfig(revision=args.revision, trust_remote_code=args.trust_remote_code)
+    serve_model(args.target, args.name, EngineConfig(kind=args.engine, load=load), gateway, say=say)
     return 0
 
 
@@ -154,11 +174,21 @@ def _add_run_commands(commands) -> None:
     server.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     serve = commands.add_parser(
         "serve",
-        help="the OpenAI-compatible gateway on one saved step, for inference, until Ctrl-C (`server` instead "
-        "trains models for remote clients)",
+        help="the OpenAI-compatible gateway on a run's saved step, or on a model folder or hub id, for "
+        "inference, until Ctrl-C (`server` instead trains models for remote clients)",
     )
-    serve.add_argument("run_dir", help="a run folder ({root}/{project}/{model})")
-    serve.add_argument("--step", type=int, default=None, help="the checkpoint (default: the latest)")
+    serve.add_argument(
+        "target", help="a run folder ({root}/{project}/{model}), a Hugging Face model folder, or a hub id"
+    )
+    serve.add_argument("--step", type=int, default=None, help="a run's checkpoint (default: the latest)")
+    serve.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the embedded engine, or vLLM")
+    serve.add_argument(
+        "--name", default=None, help="a model's served name (default: its folder or repo name)"
+    )
+    serve.add_argument("--revision", default=None, help="a hub model's branch, tag or commit")
+    serve.add_argument(
+        "--trust-remote-code", action="store_true", help="run the Python code the model ships (its auto_map)"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="another host than loopback needs --api-key")
     serve.add_argument("--port", type=int, default=0, help="0 (default) = a free port, printed at start")
     serve.add_argument(
@@ -217,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--chat-format", default=None, help="a family name instead of detecting it")
     check.add_argument("--kwargs", default=None, help="chat_template_kwargs as JSON")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.add_argument("--revision", default=None, help="a hub model's branch, tag or commit")
+    check.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python code the tokenizer ships (its auto_map)",
+    )
     _add_run_commands(commands)
     args = parser.parse_args(argv)
     if args.command == "tiny-model":

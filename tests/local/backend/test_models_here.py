@@ -126,3 +126,7 @@ async def test_model_json_keeps_no_secret(tmp_path, monkeypatch):
     assert list(recorded["extra_args"]) == ["--hf-token", "<redacted>", "--max-num-seqs=8"]
     assert recorded["url"] == ["http://127.0.0.1:9", "http://artrl:<redacted>@127.0.0.1:10/"]
     assert engine_config_of(run) == EngineConfig()
+    # `artrl serve RUN --engine vllm` keeps the run's vLLM settings, never a `<redacted>` in place of a secret
+    served = engine_config_of(run, "vllm").vllm
+    assert served.api_key is None and served.env == {} and list(served.replica_env) == [{}, {}]
+    assert served.extra_args == () and served.url[0] == "http://127.0.0.1:9"

@@ -4,13 +4,39 @@ settings as JSON."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from artrl.config import EngineConfig
 
+log = logging.getLogger(__name__)
+
 REDACTED = "<redacted>"
 _SECRET_ARGS = ("key", "token", "secret", "password")  # (in an extra vLLM argument's name: its value is one)
+
+
+def without_redacted(vllm: dict[str, Any]) -> dict[str, Any]:
+    """A recorded VLLMConfig (model.json's) less what was never written: a redacted key or `env` value falls
+    back to its default; an `extra_args` list that held a secret is dropped, with a warning."""
+    kept: dict[str, Any] = {}
+    for key, value in vllm.items():
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v != REDACTED}
+        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):  # replica_env
+            value = [{k: v for k, v in env.items() if v != REDACTED} for env in value]
+        elif isinstance(value, list) and REDACTED in value:
+            log.warning(
+                "the run's VLLMConfig.%s held a secret model.json does not keep: served without it", key
+            )
+            continue
+        if value != REDACTED:
+            kept[key] = value
+    if kept.get(
+        "url"
+    ):  # (the servers' number is the url's: given as well, it must agree, as recorded it may not)
+        kept.pop("replicas", None)
+    return kept
 
 
 def recorded_engine(engine: EngineConfig) -> dict[str, Any]:

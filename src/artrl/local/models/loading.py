@@ -132,12 +132,12 @@ def load_tokenizer(model: str, **hub_options: Any) -> Any:
         raise ValueError(f"could not load the tokenizer of {model!r}: {exc}") from None
 
 
-def stop_ids_of(model: str) -> list[int]:
+def stop_ids_of(model: str, revision: str | None = None) -> list[int]:
     """The model's own stop tokens: generation_config.json's eos_token_id (none if it has no such file)."""
     from transformers import GenerationConfig
 
     try:
-        configured = GenerationConfig.from_pretrained(model).eos_token_id
+        configured = GenerationConfig.from_pretrained(model, revision=revision).eos_token_id
     except (OSError, ValueError):
         return []
     return configured if isinstance(configured, list) else [] if configured is None else [configured]
