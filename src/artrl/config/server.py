@@ -78,4 +78,8 @@ class RemoteConfig(_Frozen):
     retries: int = Field(
         default=3, ge=0, description="resends of a call whose connection broke (same request id: done once)"
     )
-    progress: bool = Field(default=True, description="a live bar of each train / train_sft call on stderr")
+    progress: bool | None = Field(
+        default=None,
+        description="a live bar of each train / train_sft call on stderr; None: when stderr is a terminal "
+        "(or $ARTRL_PROGRESS=1)",
+    )

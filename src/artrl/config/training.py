@@ -37,6 +37,11 @@ class TrainerConfig(_Frozen):
     """
 
     ranks: int = Field(default=1, ge=1, description="trainer processes; 1 = in this process")
+    progress: bool | None = Field(
+        default=None,
+        description="a live bar of each train / train_sft call on stderr (its phase, rows trained of its rows); "
+        "None: when stderr is a terminal (or $ARTRL_PROGRESS=1)",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="torch.distributed's backend; auto = nccl on CUDA, gloo on CPU"
     )

@@ -24,7 +24,9 @@ import httpx
 
 from artrl.art_names import train_config
 from artrl.config import CheckpointRetention, RemoteConfig, SFTConfig, TrainConfig
+from artrl.log_handler import ensure_log_handler
 from artrl.model import TrainableModel, TrainResult
+from artrl.progress_bar import CallBar, progress_shown
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 T = TypeVar("T")
@@ -45,6 +47,7 @@ class RemoteBackend:
         self.url = url.rstrip("/")
         self.api_key = api_key or os.environ.get("ARTRL_API_KEY")
         self.config = config or RemoteConfig()
+        ensure_log_handler()
 
     async def __aenter__(self) -> RemoteBackend:
         return self
@@ -141,12 +144,10 @@ class RemoteBackend:
     async def _streamed(self, path: str, body: dict[str, Any], label: str) -> Any:
         """A call whose answer is NDJSON lines (progress, then its result or its error), shown as a bar; sent
         again with the same request id when the connection breaks (the server streams the same call on)."""
-        from tqdm import tqdm
-
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # (between two lines: the server sends one every 5 s at least)
         timeout = httpx.Timeout(max(self.config.timeout_s, STREAM_MIN_TIMEOUT_S))
-        bar = tqdm(desc=label, unit="row", disable=not self.config.progress, leave=False)
+        bar = CallBar(label, progress_shown(self.config.progress))
 
         async def once() -> Any:
             async with (
@@ -159,7 +160,7 @@ class RemoteBackend:
                 async for line in response.aiter_lines():
                     message = _parsed(line)
                     if "progress" in message:
-                        _show(bar, label, message["progress"])
+                        bar.show(message["progress"])
                     elif "error" in message:
                         error = message["error"]
                         _raise_refusal(path, int(error.get("status", 500)), str(error.get("message")))
@@ -236,13 +237,3 @@ def _raise_refusal(path: str, status: int, message: str) -> None:
     if status in (400, 422):
         raise ValueError(f"the training server refused {path}: {message}")
     raise RemoteError(f"the training server answered {status}: {message}", status)
-
-
-def _show(bar: Any, label: str, progress: dict[str, Any]) -> None:
-    """The bar at the call's rows trained, its label saying the phase (queued, training, saving)."""
-    bar.set_description(f"{label} ({progress.get('phase')})", refresh=False)
-    total = int(progress.get("rows_total") or 0)
-    if total and bar.total != total:
-        bar.reset(total=total)
-    bar.n = int(progress.get("rows_done") or 0)
-    bar.refresh()

@@ -21,6 +21,7 @@ from artrl.config import (
     VLLMConfig,
 )
 from artrl.local.service.step_commits import CheckpointError
+from artrl.log_handler import ensure_log_handler
 from artrl.model import TrainableModel, TrainResult
 from artrl.storage import latest_step, model_dir
 from artrl.trajectory import Trajectory, TrajectoryGroup
@@ -60,6 +61,7 @@ class LocalBackend:
         trainer: TrainerConfig | None = None,
         in_process: bool = True,
     ) -> None:
+        ensure_log_handler()  # (a model loading, vLLM starting: minutes on a real model, said on stderr)
         self.path = os.fspath(path)
         if isinstance(engine, str):
             if engine not in ("hf", "vllm"):

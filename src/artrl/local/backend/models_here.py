@@ -239,10 +239,17 @@ class ModelsHere:
             # a cancelled caller still gets the step saved and recorded (its weights change) before it is
             # cancelled: no step trains unrecorded, the next one is numbered after it
             try:
-                await to_the_end(whole_step())
+                async with self._progress(model, step, service):
+                    await to_the_end(whole_step())
             finally:
                 service.progress.phase = "idle"  # (failed or not: no call in flight)
         return TrainResult(step=step, metrics=metrics)
+
+    def _progress(self, model: TrainableModel, step: int, service: LocalService):
+        from artrl.progress_bar import progress_shown, watched
+
+        shown = progress_shown(self.trainer_config.progress)
+        return watched(f"{model.name} step {step}", service.progress.snapshot, shown)
 
     async def train_sft(
         self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig
@@ -275,7 +282,8 @@ class ModelsHere:
                 await self._commits.complete(model, service, directory, step, "sft", metrics)
 
             try:
-                await to_the_end(whole_step())
+                async with self._progress(model, step, service):
+                    await to_the_end(whole_step())
             finally:
                 service.progress.phase = "idle"  # (failed or not: no call in flight)
         return TrainResult(step=step, metrics=metrics)

