@@ -82,3 +82,23 @@ def test_import_artrl_pulls_no_torch():
         "assert 'transformers' not in sys.modules; assert 'fastapi' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_trajectory_says_which_policy_versions_sampled_it():
+    """Each choice carries the step of the weights that sampled it (the gateway's `policy_step`); a choice
+    from elsewhere carries none; the stamps survive a round trip through JSON (the run's saved rows)."""
+    from artrl.trajectory import History
+
+    def stamped(step: int | None) -> Choice:
+        data = make_choice().model_dump()
+        data.pop("policy_step", None)
+        return Choice.model_validate(data if step is None else {**data, "policy_step": step})
+
+    user = {"role": "user", "content": "go"}
+    traj = Trajectory(
+        messages_and_choices=[user, stamped(3), stamped(None), stamped(4)],
+        additional_histories=[History(messages_and_choices=[user, stamped(2)])],
+    )
+    assert traj.policy_versions() == [3, 4, 2]
+    assert Trajectory.model_validate_json(traj.model_dump_json()).policy_versions() == [3, 4, 2]
+    assert Trajectory(messages_and_choices=[user, stamped(None)]).policy_versions() == []

@@ -82,6 +82,18 @@ class Trajectory(History):
     def log(self, message: str) -> None:
         self.logs.append(message)
 
+    def policy_versions(self) -> list[int]:
+        """The training step of the weights that sampled each of its calls, in call order (the main
+        conversation's, then the additional histories'): the gateway stamps every choice (`policy_step`).
+        Choices from another server, or recorded before the stamp existed, are not counted."""
+        steps = (
+            c.model_extra.get("policy_step")
+            for history in (self, *self.additional_histories)
+            for c in history.choices()
+            if c.model_extra
+        )
+        return [s for s in steps if isinstance(s, int)]
+
     def __enter__(self) -> Trajectory:
         """`with art.Trajectory() as t:` (ART's idiom): `t` is `art.current_trajectory()` inside the block."""
         self._tokens.append(RECORDING.set(self))

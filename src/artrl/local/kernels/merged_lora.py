@@ -65,10 +65,9 @@ class MergedLora:
         lora = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
         if not lora:
             return None
-        if not all(mergeable(m) for m in lora):
-            log.info(
-                "the adapter has layers artrl cannot merge (a LoRA variant?): inference keeps the adapter"
-            )
+        unmergeable = sorted({type(m).__name__ for m in lora if not mergeable(m)})
+        if unmergeable:  # (ParamWrapper: LoRA on an MoE's fused expert weights)
+            log.info("the adapter has layers artrl does not merge (%s): inference keeps the adapter", unmergeable)
             return None
         return cls(lora)
 

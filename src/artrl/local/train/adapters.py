@@ -43,10 +43,13 @@ def save_weights(model: Any, directory: str) -> None:
     """The model's weights into `directory`: its active adapter in PEFT's format (the one adapter of a model
     holding several, as a model holding only it would save it), or the full weights."""
     adapter = getattr(model, "active_adapter", None)
+    # (PEFT's "auto" asks the hub for the base's config.json at every save of a hub id's adapter, to find a
+    # resized vocabulary: artrl never resizes it, and a step's checkpoint makes no network call)
+    peft = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
     if adapter is None or adapter == "default":
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, **peft)
         return
-    model.save_pretrained(directory, selected_adapters=[adapter])  # (into directory/{adapter}/)
+    model.save_pretrained(directory, selected_adapters=[adapter], **peft)  # (into directory/{adapter}/)
     inner = Path(directory) / adapter
     for file in inner.iterdir():
         file.replace(Path(directory) / file.name)

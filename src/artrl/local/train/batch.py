@@ -42,14 +42,7 @@ def check_groups(groups: list[TrajectoryGroup]) -> None:
 def policy_step(traj: Trajectory) -> int | None:
     """The oldest policy step that sampled any of the trajectory's calls (the gateway's `policy_step` on each
     choice); None when no call says (choices from another server, or recorded before the field existed)."""
-    steps = [
-        c.model_extra.get("policy_step")
-        for history in (traj, *traj.additional_histories)
-        for c in history.choices()
-        if c.model_extra
-    ]
-    known = [s for s in steps if isinstance(s, int)]
-    return min(known) if known else None
+    return min(traj.policy_versions(), default=None)
 
 
 def drop_stale(
