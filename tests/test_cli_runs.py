@@ -283,10 +283,11 @@ async def test_serve_a_saved_step_to_any_openai_client_until_sigterm(runs):
             proc.communicate(timeout=30)
 
 
-def serving(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Lines]:
+def serving(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Lines]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "artrl.cli", "serve", *args],
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -305,7 +306,7 @@ def test_serve_a_hub_id_from_the_hub_cache_or_says_why_not(tiny_model_dir, tmp_p
     """A hub id resolves as huggingface_hub resolves it (here: a cache, offline); --revision picks the
     snapshot; one that cannot be found is one line and exit code 2 (the model folder path is the same)."""
     env = cache_model(tiny_model_dir, "acme/tiny-chat", tmp_path / "hub", revision="v1")
-    proc, lines = serving(["acme/tiny-chat", "--revision", "v1", "--name", "chat"], env)
+    proc, lines = serving(["acme/tiny-chat", "--revision", "v1", "--name", "chat"], tmp_path, env)
     try:
         base_url = lines.until("base URL: ", timeout_s=120)
         assert lines.seen[:2] == [
@@ -331,8 +332,8 @@ def test_serve_a_hub_id_from_the_hub_cache_or_says_why_not(tiny_model_dir, tmp_p
 
 
 @pytest.mark.vllm
-async def test_serve_a_run_on_vllm(runs):
-    proc, lines = serving([str(runs.lora), "--engine", "vllm"])
+async def test_serve_a_run_on_vllm(runs, tmp_path):
+    proc, lines = serving([str(runs.lora), "--engine", "vllm"], tmp_path)
     try:
         base_url = lines.until("base URL: ", timeout_s=300)
         assert "vllm engine" in lines.seen[1]
@@ -341,6 +342,7 @@ async def test_serve_a_run_on_vllm(runs):
         served = client.chat.completions.create(model="agent@2", **GREEDY).choices[0]
         assert served.token_ids and served.model_extra["policy_step"] == 2  # the run's step-2 adapter
         stop_serving(proc, lines)
+        assert (runs.lora / "vllm.log").is_file()  # (its log beside the run's)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -63,6 +63,7 @@ def serve_run(
         lora=lora_of(run),
         resume_from=checkpoint,
         chat_format=run.chat_format,
+        log_dir=run.directory,  # (vLLM's log beside the run's, as in training)
     )
     _serve_until_stopped(start, f"{run.project}/{run.name} step {step} ({checkpoint}; {engine} engine)", say)
 
