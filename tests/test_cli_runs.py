@@ -17,11 +17,13 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from fake_hub import FakeHub
 from hub_cache import cache_model
 
 import artrl
 from artrl.cli import main
 from artrl.history.tables import format_value, table
+from artrl.local.engine.vllm.server import free_port
 
 PROMPT = [{"role": "user", "content": "What is the weather in paris?"}]
 GREEDY = {"messages": PROMPT, "max_tokens": 8, "temperature": 0.0}
@@ -347,6 +349,37 @@ async def test_serve_a_run_on_vllm(runs, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=30)
+
+
+def test_export_and_merge_push_to_a_hub_or_say_why_not(runs, tmp_path, capsys, monkeypatch):
+    """--push-to-hub uploads the folder just written with huggingface_hub (here to a hub on this machine:
+    tests/fake_hub.py); a refused token, or the hub turned off, is one line that says the folder is written."""
+    import huggingface_hub
+
+    hub = FakeHub().start(free_port())
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_fake_token")
+        code, out, err = cli(capsys, "export", runs.lora, tmp_path / "adapter", "--push-to-hub", "me/agent")
+        assert code == 0, err
+        assert out.splitlines()[1].startswith(f"pushed to me/agent: {hub.url}/me/agent/commit/")
+        written = {p.name: p.read_bytes() for p in (tmp_path / "adapter").iterdir()}
+        assert hub.repos["me/agent"] == written and "adapter_model.safetensors" in written
+        code, out, err = cli(capsys, "merge", runs.lora, tmp_path / "merged", "--push-to-hub", "me/merged")
+        assert code == 0 and "model.safetensors" in hub.repos["me/merged"], err
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        code, out, err = cli(capsys, "export", runs.lora, tmp_path / "again", "--push-to-hub", "me/other")
+        assert code == 2 and "set HF_TOKEN" in err and f"{tmp_path / 'again'} is written" in err, err
+        assert err.count("\n") == 1 and "me/other" not in hub.repos
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        code, out, err = cli(capsys, "export", runs.lora, tmp_path / "offline", "--push-to-hub", "me/agent")
+        assert (
+            code == 2
+            and "HF_HUB_OFFLINE=1" in err
+            and (tmp_path / "offline" / "adapter_config.json").is_file()
+        )
+    finally:
+        hub.stop()
 
 
 def test_version_and_env_say_what_a_bug_report_needs(capsys):

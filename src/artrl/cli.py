@@ -72,7 +72,12 @@ def _export(args: argparse.Namespace) -> int:
     run = open_run(args.run_dir)
     step, out = (merge_step if args.command == "merge" else export_step)(run, args.out, args.step)
     what = "merged model" if args.command == "merge" else "adapter" if run.is_lora else "full model"
-    print(f"wrote step {step} of {run.project}/{run.name} to {out} ({what} + tokenizer)")
+    print(f"wrote step {step} of {run.project}/{run.name} to {out} ({what} + tokenizer)", flush=True)
+    if args.push_to_hub:
+        from artrl.local.runs.hub_push import push_folder
+
+        message = f"artrl {args.command}: step {step} of {run.project}/{run.name} ({what})"
+        print(f"pushed to {args.push_to_hub}: {push_folder(out, args.push_to_hub, args.private, message)}")
     return 0
 
 
@@ -159,6 +164,14 @@ def _add_run_commands(commands) -> None:
         command.add_argument("run_dir", help="a run folder ({root}/{project}/{model})")
         command.add_argument("out", help="the output folder (new, or empty)")
         command.add_argument("--step", type=int, default=None, help="the checkpoint (default: the latest)")
+        command.add_argument(
+            "--push-to-hub",
+            metavar="REPO_ID",
+            default=None,
+            help="then upload the folder to this hub model repo (created if missing; token: HF_TOKEN or "
+            "`hf auth login`; endpoint: HF_ENDPOINT)",
+        )
+        command.add_argument("--private", action="store_true", help="a repo it creates is private")
     server = commands.add_parser(
         "server",
         help="a training server: many tenants' models trained and served on BASE_MODEL, for artrl.RemoteBackend "
