@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import re
 import weakref
 from collections.abc import Iterable
@@ -75,6 +76,19 @@ class Backend(Protocol):
 class TrainResult(BaseModel):
     step: int  # the step just completed (its checkpoint is saved)
     metrics: dict[str, float | int]
+
+
+def config_json(config: Any) -> Any:
+    """A model's own settings (`TrainableModel(config=...)`) as JSON: a pydantic model dumped, else as given
+    when JSON can hold it, else its repr."""
+    if config is None:
+        return None
+    if hasattr(config, "model_dump"):
+        return config.model_dump(mode="json")
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError):
+        return repr(config)
 
 
 class TrainableModel(BaseModel, Generic[ModelConfig]):

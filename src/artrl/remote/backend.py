@@ -25,7 +25,7 @@ import httpx
 from artrl.art_names import train_config
 from artrl.config import CheckpointRetention, RemoteConfig, SFTConfig, TrainConfig
 from artrl.log_handler import ensure_log_handler
-from artrl.model import TrainableModel, TrainResult
+from artrl.model import TrainableModel, TrainResult, config_json
 from artrl.progress_bar import CallBar, progress_shown
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -64,7 +64,9 @@ class RemoteBackend:
                 "report_to= sends history rows from where the model trains; with a RemoteBackend that is the "
                 "server: read its run folders there (`artrl history`, `artrl dashboard`), or log rows here"
             )
-        await self._call("POST", "/artrl/v1/models", model.model_dump(mode="json", include=SPEC_FIELDS))
+        spec = model.model_dump(mode="json", include=SPEC_FIELDS)
+        spec["config"] = config_json(model.config)  # (the user's own settings: the server's model.json)
+        await self._call("POST", "/artrl/v1/models", spec)
         return f"{self.url}/v1", self.api_key or "artrl"
 
     def client_transport(self, model: TrainableModel, sync: bool = False) -> None:

@@ -5,6 +5,7 @@ refusals: a wrong key, another tenant's model, another base, a resent training c
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -78,11 +79,20 @@ async def scored_groups(model: artrl.TrainableModel, n: int = 2) -> list[artrl.T
 
 
 async def test_a_remote_client_trains_a_model_on_the_server(server, tiny_model_dir, tmp_path):
+    from pydantic import BaseModel
+
+    class Policy(BaseModel):  # ART's typed model config: the server's model.json keeps it too
+        max_turns: int = 10
+
     url, runs = server
     backend = artrl.RemoteBackend(url, api_key=KEY_A)
-    model = artrl.TrainableModel(name="agent", project="remote", base_model=str(tiny_model_dir))
+    model = artrl.TrainableModel[Policy](
+        name="agent", project="remote", base_model=str(tiny_model_dir), config=Policy(max_turns=3)
+    )
     await model.register(backend)
     assert await model.get_step() == 0
+    recorded = json.loads((runs / "alice" / "remote" / "agent" / "model.json").read_text())
+    assert recorded["config"] == {"max_turns": 3}
     result = await model.train(await scored_groups(model), artrl.TrainConfig(learning_rate=1e-3))
     assert result.step == 1 and await model.get_step() == 1
     assert (runs / "alice" / "remote" / "agent" / "checkpoints" / "0001").is_dir()  # the server's run folder

@@ -3,7 +3,6 @@ settings as JSON."""
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -64,19 +63,6 @@ def recorded_engine(engine: EngineConfig) -> dict[str, Any]:
         secret_next = secret and not eq
     vllm["extra_args"] = args
     return settings
-
-
-def user_config(config: Any) -> Any:
-    """A model's own settings (`TrainableModel(config=...)`) as JSON: a pydantic model dumped, else as given
-    when JSON can hold it, else its repr."""
-    if config is None:
-        return None
-    if hasattr(config, "model_dump"):
-        return config.model_dump(mode="json")
-    try:
-        return json.loads(json.dumps(config))
-    except (TypeError, ValueError):
-        return repr(config)
 
 
 def _without_password(url: str) -> str:

@@ -23,11 +23,11 @@ from artrl.config import (
     TrainerConfig,
 )
 from artrl.history.trackers import Trackers, open_trackers
-from artrl.local.backend.model_record import recorded_engine, user_config
+from artrl.local.backend.model_record import recorded_engine
 from artrl.local.concurrency.shielded import to_the_end
 from artrl.local.service.checkpoints import delete_unkept, save_tokenizer
 from artrl.local.service.step_commits import StepCommits
-from artrl.model import TrainableModel, TrainResult
+from artrl.model import TrainableModel, TrainResult, config_json
 from artrl.storage import (
     FolderLock,
     append_history,
@@ -140,7 +140,7 @@ class ModelsHere:
             "base_model": model.base_model,
             "lora": model.lora.model_dump(mode="json") if model.lora else None,
             "chat_format": model.chat_format,
-            "config": user_config(model.config),  # (the user's own settings: model.json and the trackers)
+            "config": config_json(model.config),  # (the user's own settings: model.json and the trackers)
         }
         saved = directory / "model.json"
         if saved.exists():

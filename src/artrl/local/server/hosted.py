@@ -20,7 +20,8 @@ from artrl.local.server.shared_vllm import SharedVLLM
 from artrl.model import TrainableModel
 from artrl.storage import atomic_write_json
 
-SPEC_FIELDS = ("name", "project", "base_model", "lora", "chat_format")  # what a client registers
+# what a client registers, the model's identity (and `config`: its own settings, recorded, not compared)
+SPEC_FIELDS = ("name", "project", "base_model", "lora", "chat_format")
 
 
 class NotFound(LookupError):
@@ -69,10 +70,11 @@ class HostedModels:
     async def register(self, tenant: str, spec: dict[str, Any]) -> TrainableModel:
         """Serve the tenant's model (its latest checkpoint, if any). Registering the same model again (a
         client that restarted) returns the one already served; another model under its name is refused."""
-        unknown = sorted(set(spec) - set(SPEC_FIELDS))
+        unknown = sorted(set(spec) - {*SPEC_FIELDS, "config"})
         if unknown:
             raise ValueError(
-                f"unknown model fields {unknown}; a model is registered with {list(SPEC_FIELDS)}"
+                f"unknown model fields {unknown}; a model is registered with {list(SPEC_FIELDS)} (and its "
+                "own settings as `config`)"
             )
         model = TrainableModel.model_validate(spec)
         if model.lora is None:
