@@ -76,6 +76,25 @@ def test_group_from_any_iterable():
     assert TrajectoryGroup.model_validate_json(group.model_dump_json()).trajectories[1].reward == 1.0
 
 
+async def test_track_duration_and_finish_add_arts_duration_metrics():
+    """ART's rollouts time their parts (`async with traj.track_duration("llm_completion"):`) and end with
+    `return traj.finish()`, which sets `duration` (seconds since the trajectory was made)."""
+    traj = Trajectory(metrics={"answer_correct": 1})
+    async with traj.track_duration("llm_completion"):
+        pass
+    first = traj.metrics["llm_completion_duration"]
+    async with traj.track_duration("llm_completion"):  # summed over the blocks of one name
+        pass
+    assert 0.0 <= first <= traj.metrics["llm_completion_duration"]
+    try:
+        async with traj.track_duration("judge"):
+            raise TimeoutError
+    except TimeoutError:
+        pass
+    assert traj.finish() is traj and traj.metrics["duration"] >= 0.0
+    assert set(traj.metrics) == {"answer_correct", "llm_completion_duration", "judge_duration", "duration"}
+
+
 def test_import_artrl_pulls_no_torch():
     code = (
         "import sys, artrl; artrl.Trajectory; artrl.LocalBackend; assert 'torch' not in sys.modules, 'torch'; "

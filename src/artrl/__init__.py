@@ -28,6 +28,7 @@ from artrl.integrations.mcp_tools import MCPTools
 from artrl.model import TrainableModel, TrainResult
 from artrl.prompted_model import Model
 from artrl.remote.backend import RemoteBackend, RemoteError
+from artrl.rollouts.concurrency import limit_concurrency
 from artrl.rollouts.dataset import DatasetBatch, iterate_dataset
 from artrl.rollouts.gather import GatherError, gather_trajectories, gather_trajectory_groups
 from artrl.rollouts.pipeline import rollouts_ahead
@@ -87,6 +88,7 @@ __all__ = [
     "gather_trajectory_groups",
     "iterate_dataset",
     "langchain_chat_model",
+    "limit_concurrency",
     "retry",
     "rewards",
     "rollouts_ahead",

@@ -8,9 +8,11 @@ exact `prompt_token_ids`, `token_ids` and `token_logprobs` the gateway attached 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
-from collections.abc import Iterable
+import time
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
@@ -78,6 +80,7 @@ class Trajectory(History):
     additional_histories: list[History] = Field(default_factory=list)
 
     _tokens: list[contextvars.Token] = PrivateAttr(default_factory=list)
+    _started: float = PrivateAttr(default_factory=time.monotonic)  # (when it was made: `finish`)
 
     def log(self, message: str) -> None:
         self.logs.append(message)
@@ -93,6 +96,23 @@ class Trajectory(History):
             if c.model_extra
         )
         return [s for s in steps if isinstance(s, int)]
+
+    @contextlib.asynccontextmanager
+    async def track_duration(self, name: str) -> AsyncIterator[None]:
+        """`async with traj.track_duration("llm_completion"):` adds the block's seconds to the metric
+        `llm_completion_duration` (summed over the blocks of that name), as ART's Trajectory does."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{name}_duration"
+            self.metrics[key] = self.metrics.get(key, 0.0) + (time.monotonic() - start)
+
+    def finish(self) -> Trajectory:
+        """Set the metric `duration` to the seconds since this trajectory was made, and return it (ART's
+        `return traj.finish()` at the end of a rollout)."""
+        self.metrics["duration"] = time.monotonic() - self._started
+        return self
 
     def __enter__(self) -> Trajectory:
         """`with art.Trajectory() as t:` (ART's idiom): `t` is `art.current_trajectory()` inside the block."""

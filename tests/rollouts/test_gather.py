@@ -489,6 +489,13 @@ def test_iterate_dataset_batches_are_frozen() -> None:
         batch.step = 5  # type: ignore[misc]
 
 
+def test_iterate_dataset_batches_unpack_as_arts_tuples() -> None:
+    """ART's loops unpack each batch: `for batch, epoch, global_step, epoch_step in iterate_dataset(...)`."""
+    batches = artrl.iterate_dataset("abcde", groups_per_step=2, num_epochs=2, shuffle=False, initial_step=2)
+    unpacked = [(batch, epoch, global_step, epoch_step) for batch, epoch, global_step, epoch_step in batches]
+    assert unpacked[:2] == [(["e"], 0, 2, 2), (["a", "b"], 1, 3, 0)] and len(unpacked) == 4
+
+
 def test_iterate_dataset_rejects_bad_arguments_at_call_time() -> None:
     with pytest.raises(ValueError, match="at least one item"):
         artrl.iterate_dataset([])

@@ -23,6 +23,11 @@ class DatasetBatch(Generic[T]):
     epoch: int
     epoch_step: int
 
+    def __iter__(self) -> Iterator:
+        """`for batch, epoch, global_step, epoch_step in iterate_dataset(...)`: the tuple ART's
+        `iterate_dataset` yields."""
+        return iter((self.items, self.epoch, self.step, self.epoch_step))
+
 
 def steps_per_epoch(num_items: int, groups_per_step: int) -> int:
     """Batches in one epoch: the last one may be partial, so ``ceil(num_items / groups_per_step)``."""

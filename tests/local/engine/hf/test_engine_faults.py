@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -167,3 +169,41 @@ async def test_a_failing_shared_start_fails_only_the_requests_that_share_it(hf_m
     finally:
         await healthy.close()
         await faulty.close()
+
+
+UNCLOSED = """
+import asyncio, atexit, sys
+from transformers import AutoModelForCausalLM
+from artrl.config import EngineConfig
+from artrl.local.engine.hf.engine import HFEngine
+from artrl.local.engine.hf.sampling import SamplingParams
+
+engines = []
+
+
+def report():  # registered before the engine's own hook: runs after it (last in, first out)
+    thread = engines[0]._worker.current
+    print("stopped" if engines[0]._closed and (thread is None or not thread.is_alive()) else "running")
+
+
+atexit.register(report)
+
+
+async def main():
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+    engines.append(HFEngine(model, max_context=2048, config=EngineConfig()))
+    (stream,) = engines[0].generate([5, 17, 300], SamplingParams(max_tokens=4), 1)
+    assert len([c async for c in stream]) == 4
+
+
+asyncio.run(main())  # and exit without closing the engine, as ART's scripts leave their backend
+"""
+
+
+def test_an_engine_nobody_closed_stops_its_thread_at_exit(tiny_model_dir):
+    """At exit, its daemon thread must not be frozen inside a torch op (it keeps the prefix cache after the
+    last answer): that aborts the process ("terminate called without an active exception", rc -6)."""
+    done = subprocess.run(
+        [sys.executable, "-c", UNCLOSED, str(tiny_model_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr[-3000:]

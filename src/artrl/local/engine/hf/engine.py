@@ -16,6 +16,7 @@ two token steps, the adapter that waited longest first.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import inspect
 import logging
@@ -23,6 +24,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,6 +44,19 @@ from artrl.local.engine.hf.sequences import Request, RunningSequence, fail_seque
 from artrl.local.kernels.merged_lora import MergedLora
 
 log = logging.getLogger(__name__)
+
+
+def _stop_at_exit(engine_ref: weakref.ref) -> None:
+    """At interpreter exit, before daemon threads are frozen: stop the thread of an engine nobody closed
+    (ART's scripts never close their backend). A daemon thread frozen inside a torch op (the prefix cache
+    kept after the last answer) aborts the process: "terminate called without an active exception"."""
+    engine = engine_ref()
+    if engine is not None and not engine._closed:
+        engine._closed = True
+        engine._incoming.put(None)
+        thread = engine._worker.current
+        if thread is not None:
+            thread.join(10)
 
 
 @dataclass
@@ -94,6 +109,7 @@ class HFEngine:
         self._steps.adapters = adapters
         self._worker = IdleEndingThread(self._run, "artrl-engine")
         self._worker.wake()
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     @property
     def max_context(self) -> int:

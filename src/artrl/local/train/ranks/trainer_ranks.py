@@ -205,7 +205,10 @@ class TrainerRanks:
                     break
             if failed or sender.is_alive():
                 break
-        for rank in sorted({*failed, *(r for r, s in senders.items() if s.is_alive())}):
+        suspects = sorted({*failed, *(r for r, s in senders.items() if s.is_alive())})
+        # a rank that is gone first: the others' sends may be unfinished only because the wait stopped at it
+        suspects.sort(key=lambda r: not (r in failed or self.procs[r].poll() is not None))
+        for rank in suspects:
             if rank in failed or self.procs[rank].poll() is not None:
                 self._fail(f"trainer rank {rank} is gone ({self._exit(rank)}) before {during}", rank)
             # (_fail stops the ranks: a send still blocked in a pipe then ends)
