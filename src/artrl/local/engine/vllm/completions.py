@@ -1,5 +1,10 @@
-"""vLLM's token-in /v1/completions on the wire: the request body for exact prompt ids, and one streamed
-response read into the gateway's sequence streams (sampled ids with their logprobs)."""
+"""vLLM's token-in/token-out on the wire: the request body for exact prompt ids, and one streamed response
+read into the gateway's sequence streams (sampled ids with their logprobs). Two wires (VLLMConfig.wire):
+
+- `generate`: vLLM's `/inference/v1/generate` (a server started with `--enable-scale-out`, as artrl starts
+  it): ids in, ids and logprobs out as integers, nothing detokenized on vLLM's side;
+- `completions`: `/v1/completions` with a prompt of ids (any vLLM server, e.g. one at VLLMConfig.url): vLLM
+  also writes each token's text, and its logprobs name tokens as `token_id:N` strings."""
 
 from __future__ import annotations
 
@@ -19,6 +24,47 @@ class ReplicaFailure(EngineError):
 
 class ModelNotFound(EngineError):
     """A replica answered 404: it does not serve the model asked for (for an adapter: it lost it)."""
+
+
+def generate_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
+    """The body of a streamed /inference/v1/generate request."""
+    sampling: dict[str, Any] = {
+        "n": n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "logprobs": params.top_logprobs,  # the sampled token's logprob always; k alternatives besides
+        "stop_token_ids": sorted(params.stop_token_ids),
+        "ignore_eos": True,  # only the gateway's stop ids end a turn
+        "skip_special_tokens": False,
+        "detokenize": False,
+    }
+    if params.seed is not None:
+        sampling["seed"] = params.seed
+    return {
+        "model": model,
+        "token_ids": list(prompt_ids),
+        "sampling_params": sampling,
+        "output_mode": "tokens",
+        "stream": True,
+    }
+
+
+def generate_tokens(choice: dict[str, Any], top_k: int) -> list[TokenChoice]:
+    """The new tokens of one streamed generate choice: `token_ids` and `logprobs.content` (the sampled
+    token's entry, its `top_logprobs` the sampled token first, then the k best: the k best are kept)."""
+    ids = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(ids):
+        raise EngineError(f"vLLM returned {len(ids)} token ids but {len(content)} logprobs in one chunk")
+    tokens = []
+    for token_id, entry in zip(ids, content, strict=True):
+        ranked: tuple[tuple[int, float], ...] = ()
+        if top_k:
+            best = {int(t["token_id"]): float(t["logprob"]) for t in entry.get("top_logprobs") or ()}
+            ranked = tuple(sorted(best.items(), key=lambda kv: -kv[1])[:top_k])
+        tokens.append(TokenChoice(int(token_id), float(entry["logprob"]), ranked))
+    return tokens
 
 
 def completion_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
@@ -67,21 +113,30 @@ def choice_tokens(choice: dict[str, Any], top_k: int) -> list[TokenChoice]:
     return tokens
 
 
+WIRES = {  # wire: (path, request body, a choice's new tokens)
+    "generate": ("/inference/v1/generate", generate_request, generate_tokens),
+    "completions": ("/v1/completions", completion_request, choice_tokens),
+}
+
+
 async def read_completion_stream(
     client: httpx.AsyncClient,
     timeout_s: float,
     replica: Replica,
+    wire: str,
     body: dict[str, Any],
     streams: list[SequenceStream],
     ended: list[bool],
     sampled: list[list[int]],
 ) -> None:
-    """Stream one completions request from `replica` into `streams` (and each one's ids into `sampled`);
-    returns when every stream ended (or its consumers went away), raises ReplicaFailure where another replica
-    may do better (a stream that ends with no finish reason among them)."""
-    top_k = body["logprobs"]
-    fan_out = body["n"] < len(streams)  # greedy: choice 0 feeds every stream
-    url = f"{replica.base_url}/v1/completions"
+    """Stream one request (`body`, made for `wire`) from `replica` into `streams` (and each one's ids into
+    `sampled`); returns when every stream ended (or its consumers went away), raises ReplicaFailure where
+    another replica may do better (a stream that ends with no finish reason among them)."""
+    path, _, tokens_of = WIRES[wire]
+    settings = body.get("sampling_params", body)
+    top_k = settings["logprobs"]
+    fan_out = settings["n"] < len(streams)  # greedy: choice 0 feeds every stream
+    url = f"{replica.base_url}{path}"
     async with asyncio.timeout(timeout_s):
         async with client.stream("POST", url, json=body, headers=replica.headers) as response:
             if response.status_code != 200:
@@ -100,7 +155,7 @@ async def read_completion_stream(
                     raise ReplicaFailure(f"{replica.name()} failed mid-stream{where}: {chunk['error']}")
                 for choice in chunk.get("choices", []):
                     targets = range(len(streams)) if fan_out else [choice["index"]]
-                    tokens = choice_tokens(choice, top_k)
+                    tokens = tokens_of(choice, top_k)
                     reason = choice.get("finish_reason")
                     if reason == "abort":  # not ours (ours close the connection): a shutdown or pause
                         raise ReplicaFailure(

@@ -33,9 +33,9 @@ from artrl.local.concurrency.idle_thread import IdleEndingExecutor
 from artrl.local.concurrency.torch_threads import with_default_threads
 from artrl.local.engine.contract import EngineError, SamplingParams, SequenceStream
 from artrl.local.engine.vllm.completions import (
+    WIRES,
     ModelNotFound,
     ReplicaFailure,
-    completion_request,
     read_completion_stream,
 )
 from artrl.local.engine.vllm.replicas import Replica, ReplicaSet, StartServer
@@ -76,6 +76,10 @@ class VLLMEngine:
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        # generate: vLLM's token-in/token-out endpoint, on the servers artrl starts (--enable-scale-out)
+        self.wire = (
+            config.wire if config.wire != "auto" else "generate" if start is not None else "completions"
+        )
         self.replicas.supervise()
 
     @property
@@ -149,7 +153,8 @@ class VLLMEngine:
 
         target = self.target  # read once: a publish may move it meanwhile
         # vLLM refuses n > 1 for greedy sampling: one greedy sequence is every sequence
-        body = completion_request(target, prompt_ids, params, 1 if params.temperature == 0 else len(streams))
+        make_body = WIRES[self.wire][1]
+        body = make_body(target, prompt_ids, params, 1 if params.temperature == 0 else len(streams))
         tried: set[int] = set()
         notes: list[str] = []
         while True:
@@ -205,7 +210,9 @@ class VLLMEngine:
         the next token); raises what the replica did wrong."""
         timeout_s = self.config.request_timeout_s
         reader = asyncio.ensure_future(
-            read_completion_stream(self._client(), timeout_s, replica, body, streams, ended, sampled)
+            read_completion_stream(
+                self._client(), timeout_s, replica, self.wire, body, streams, ended, sampled
+            )
         )
         try:
             while not reader.done():

