@@ -44,7 +44,8 @@ async def measured(ep: Endpoint, work: Workload, run: str) -> tuple[RunStats, fl
 
 
 async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namespace) -> list[str]:
-    rows = []
+    """The phase's table rows; its headline (ratios per session count, ms added per call) into args.headline."""
+    rows, ratios = [], []
     for sessions in args.sessions:
         work = Workload("v", "tiny", sessions, args.turns, args.max_tokens)
         for label in LABELS:  # warm-up
@@ -59,6 +60,7 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
                     f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s", flush=True
                 )
         tok_s = {label: statistics.median(s.tok_s for s, _ in runs[label]) for label in LABELS}
+        ratios.append(f"{tok_s['artrl+vLLM'] / tok_s['vLLM direct']:.2f}x")
         for label in LABELS:
             stats = [s for s, _ in runs[label]]
             calls = [ms for s in stats for ms in s.latencies_ms]
@@ -75,6 +77,8 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
         for label in harness.alternating(LABELS, r):
             ms[label] += await one_token_ms(endpoints[label], args.calls)
     added = statistics.median(ms["artrl+vLLM"]) - statistics.median(ms["vLLM direct"])
+    sessions = "/".join(str(n) for n in args.sessions)
+    args.headline.append(f"{name} {'/'.join(ratios)} ({sessions} sessions), {added:+.1f} ms a 1-token call")
     rows.append(
         f"| {name} | 1-token calls | | | | {statistics.median(ms['artrl+vLLM']):.1f} ms vs "
         f"{statistics.median(ms['vLLM direct']):.1f} ms: **{added:+.1f} ms per call** | | | |"
@@ -166,14 +170,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--calls", type=int, default=20, help="1-token calls per endpoint and run")
+    parser.add_argument("--sessions", default=None, help="comma-separated session counts (default 1,8,64)")
+    parser.add_argument(
+        "--direct-logprobs",
+        action="store_true",
+        help="vLLM direct returns each sampled token's logprob too (as artrl's gateway always asks vLLM)",
+    )
     parser.add_argument(
         "--wire", default="completions", choices=("completions", "generate"), help="VLLMConfig.wire"
     )
     parser.add_argument("--out", type=Path, default=harness.HERE / "RESULTS.md")
     parser.add_argument("--model-cache", type=Path, default=harness.HERE / "out" / "models")
     args = parser.parse_args(argv)
-    args.sessions = (1, 8) if args.quick else (1, 8, 64)
+    default = (1, 8) if args.quick else (1, 8, 64)
+    args.sessions = tuple(int(n) for n in args.sessions.split(",")) if args.sessions else default
     args.runs = args.runs or (1 if args.quick else 3)
+    args.headline = []
     started = time.perf_counter()
     rows = asyncio.run(run(args))
     text = section(args, rows)
@@ -182,6 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
     else:
         harness.publish(text, args.out, SECTION_HEADING)
+        harness.write_summary_row(
+            args.out,
+            "bench_vllm_path.py",
+            "one vLLM server, the same weights: artrl's gateway (token-in/token-out) vs vLLM's own chat endpoint",
+            "artrl+vLLM / vLLM direct tok/s: " + "; ".join(args.headline),
+        )
 
 
 if __name__ == "__main__":
