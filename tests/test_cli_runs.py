@@ -343,6 +343,16 @@ async def test_serve_a_run_on_vllm(runs, tmp_path):
         assert [m.id for m in client.models.list().data] == ["agent", "agent@2"]
         served = client.chat.completions.create(model="agent@2", **GREEDY).choices[0]
         assert served.token_ids and served.model_extra["policy_step"] == 2  # the run's step-2 adapter
+        # vLLM dies under it: a request gets an error that quotes vLLM's log, not a hang, and serve goes on
+        children = [
+            c
+            for task in Path(f"/proc/{proc.pid}/task").iterdir()
+            for c in (task / "children").read_text().split()
+        ]
+        (watchdog,) = [int(c) for c in children if b"vllm" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.killpg(watchdog, signal.SIGKILL)  # (the watchdog leads vLLM's process group)
+        with pytest.raises(openai.InternalServerError, match="vLLM server exited"):
+            client.chat.completions.create(model="agent", **GREEDY)
         stop_serving(proc, lines)
         assert (runs.lora / "vllm.log").is_file()  # (its log beside the run's)
     finally:
