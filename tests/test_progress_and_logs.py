@@ -76,4 +76,5 @@ def test_loading_and_each_training_call_show_progress_on_stderr(tiny_model_dir, 
     assert done.returncode == 0, done.stderr[-3000:]
     err = done.stderr
     assert "artrl INFO" in err and f"loading {tiny_model_dir}" in err and "loaded in" in err
-    assert "bar step 1 (training)" in err or "bar step 1 (saving)" in err, err[-2000:]
+    # the call's bar with its rows, shown done when the call ends (its phases in between: when it lasts)
+    assert "bar step 1 (" in err and "| 2/2 [" in err, err[-2000:]

@@ -74,4 +74,5 @@ async def watched(label: str, snapshot: Callable[[], dict[str, Any]], shown: boo
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        bar.show(snapshot())  # (where the call ended: however short it was, its rows are shown done)
         bar.close()
