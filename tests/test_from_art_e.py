@@ -108,14 +108,16 @@ async def test_arts_rollout_trains_on_the_tokens_sampled_through_litellm(
     try:
         await model.register(backend)
         trajectories = [await rollout(model, scenario) for _ in range(2)]
-        for traj in trajectories:
+        sampled = 0
+        for traj in trajectories:  # (at most 12 tokens each: the tiny model may sample a stop token sooner)
             (choice,) = traj.choices()
-            assert len(choice.model_extra["token_ids"]) == traj.metrics["completion_tokens"] == 12
+            assert 1 <= len(choice.model_extra["token_ids"]) == traj.metrics["completion_tokens"] <= 12
             assert len(choice.model_extra["prompt_token_ids"]) == traj.metrics["prompt_tokens"]
+            sampled += len(choice.model_extra["token_ids"])
         # the tiny model never calls a tool, so both score alike: set them apart for GRPO to have a gradient
         trajectories[0].reward, trajectories[1].reward = 0.0, 1.0
         result = await model.train([art.TrajectoryGroup(trajectories)])  # (rendered turns are refused)
-        assert result.metrics["optimizer_steps"] == 1 and result.metrics["trainable_tokens"] == 24
+        assert result.metrics["optimizer_steps"] == 1 and result.metrics["trainable_tokens"] == sampled
 
         monkeypatch.setenv("JUDGE_MODEL", f"openai/{model.get_inference_name()}")
         monkeypatch.setenv("OPENAI_API_BASE", model.inference_base_url)
