@@ -74,7 +74,9 @@ def _export(args: argparse.Namespace) -> int:
     what = "merged model" if args.command == "merge" else "adapter" if run.is_lora else "full model"
     print(f"wrote step {step} of {run.project}/{run.name} to {out} ({what} + tokenizer)", flush=True)
     if args.push_to_hub:
-        from artrl.local.runs.hub_push import push_folder
+        from artrl.local.runs.hub_push import push_folder, use_hub_timeouts
+
+        use_hub_timeouts()
 
         message = f"artrl {args.command}: step {step} of {run.project}/{run.name} ({what})"
         print(f"pushed to {args.push_to_hub}: {push_folder(out, args.push_to_hub, args.private, message)}")

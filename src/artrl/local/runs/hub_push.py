@@ -16,21 +16,31 @@ READ_TIMEOUT_S, CONNECT_TIMEOUT_S = (
 )  # (per read and per connection: an upload takes what it takes)
 
 
+def use_hub_timeouts() -> None:
+    """huggingface_hub's HTTP client waits for ever by default: its own setting gives this process's hub calls
+    per-read and per-connection timeouts. A process-wide setting, so the CLI (a process of its own) makes it,
+    not `push_folder` (a library caller keeps its own)."""
+    import httpx2  # (huggingface_hub's HTTP client)
+    from huggingface_hub import set_client_factory
+
+    def with_timeouts() -> httpx2.Client:
+        return httpx2.Client(
+            follow_redirects=True, timeout=httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        )
+
+    set_client_factory(with_timeouts)
+
+
 def push_folder(folder: Path, repo_id: str, private: bool, message: str) -> str:
     """Upload `folder` to `repo_id` (a model repo); the URL of the commit."""
     import httpx2  # (huggingface_hub's HTTP client)
-    from huggingface_hub import HfApi, constants, set_client_factory
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
     again = f"the folder {folder} is written: push it again with `hf upload {repo_id} {folder}`"
     if constants.HF_HUB_OFFLINE:
         raise RunError(f"cannot push to {repo_id}: the hub is off (HF_HUB_OFFLINE=1); {again}")
 
-    def with_timeouts() -> httpx2.Client:
-        timeout = httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        return httpx2.Client(follow_redirects=True, timeout=timeout)
-
-    set_client_factory(with_timeouts)  # (huggingface_hub's own setting; its default client waits for ever)
     api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
