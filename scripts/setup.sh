@@ -8,7 +8,19 @@ PY=${PYTHON:-python3}
 TORCH_SPEC=${ARTRL_TORCH:-torch==2.13.0}
 stamp=.venv/.artrl-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+previous_stamp=.venv/sdk-previous/.installed
+previous_want=$(sha256sum tests/sdk_previous.txt | cut -d' ' -f1)
+install_previous_sdks() {  # the older SDK majors the tests drive too (tests/sdk_previous.txt)
+  if [ ! -f "$previous_stamp" ] || [ "$(cat "$previous_stamp")" != "$previous_want" ]; then
+    rm -rf .venv/sdk-previous
+    .venv/bin/python -m pip install -q --no-compile --no-deps --target .venv/sdk-previous -r tests/sdk_previous.txt \
+      2>&1 | grep -v '^WARNING: Location' || true
+    PYTHONPATH=.venv/sdk-previous .venv/bin/python -c "import openai, anthropic"  # fail loudly if missing
+    echo "$previous_want" > "$previous_stamp"
+  fi
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  install_previous_sdks
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -23,4 +35,5 @@ echo "installing artrl and its dependencies ..."
 # with PYTHONDONTWRITEBYTECODE set would compile torch's modules again at every import
 .venv/bin/python -m compileall -qq -j 0 .venv/lib >/dev/null 2>&1 || true  # (a few packages ship files that do not compile)
 .venv/bin/python -c "import torch, transformers, fastapi, mcp, artrl" # fail loudly if anything is missing
+install_previous_sdks
 echo "$want" > "$stamp"

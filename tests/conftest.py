@@ -32,12 +32,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """A folder every pytest-xdist worker of this session sees (without xdist: this session's own), for what
-    the workers build once and share (FileLock around each thing built in it)."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base  # (xdist: <base>/popen-gwN)
-    folder = root / "shared" / name
+    the workers build once and share (FileLock around each thing built in it). A child pytest started by a
+    test gets its parent's folder through $ARTRL_TEST_SHARED (tests/test_sdk_previous_majors.py)."""
+    if os.environ.get("ARTRL_TEST_SHARED"):
+        shared = Path(os.environ["ARTRL_TEST_SHARED"])
+    else:
+        base = tmp_path_factory.getbasetemp()
+        shared = (
+            base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+        ) / "shared"  # (xdist: popen-gwN)
+    folder = shared / name
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+@pytest.fixture(scope="session")
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of shared_folder's folders (for a child pytest: its $ARTRL_TEST_SHARED)."""
+    return shared_folder(tmp_path_factory, "family").parent
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import json
 import re
 import weakref
@@ -241,28 +242,36 @@ class TrainableModel(BaseModel, Generic[ModelConfig]):
         by `artrl.capture` blocks like `openai_client()`'s calls (`pip install anthropic`)."""
         import anthropic
 
-        options = self._with_capture_hook(self._client_options(kwargs), async_client=True)  # (same httpx)
+        # its own SDK's HTTP client: anthropic and openai may build on different httpx packages (httpx, httpx2)
+        options = self._with_capture_hook(self._client_options(kwargs), async_client=True, sdk=anthropic)
         options["base_url"] = options["base_url"].removesuffix("/").removesuffix("/v1")
         return anthropic.AsyncAnthropic(**options)
 
-    def _with_capture_hook(self, options: dict[str, Any], async_client: bool) -> dict[str, Any]:
-        """Options with an httpx client whose request hook tags calls made inside `artrl.capture` blocks;
-        a client of this model's own server in this process goes without the network (in_process.py)."""
+    def _with_capture_hook(
+        self, options: dict[str, Any], async_client: bool, sdk: Any = None
+    ) -> dict[str, Any]:
+        """Options with `sdk`'s own HTTP client (openai's by default) whose request hook tags calls made inside
+        `artrl.capture` blocks; a client of this model's own server in this process goes without the network
+        (in_process.py)."""
         if "http_client" in options:
             return options
-        import openai
+        if sdk is None:
+            import openai as sdk
 
         from artrl.capturing.block import tag_request, tag_request_async
 
+        client_class = sdk.DefaultAsyncHttpxClient if async_client else sdk.DefaultHttpxClient
         transport = None
         if options["base_url"] == self._base_url and self._backend is not None:
             transport = self._backend.client_transport(self, sync=not async_client)
+            # built on openai's httpx package: another SDK on another one (httpx2 / httpx) goes over HTTP
+            if transport is not None and not isinstance(
+                transport, _transport_base(client_class, async_client)
+            ):
+                transport = None
         extra = {} if transport is None else {"transport": transport}
-        if async_client:
-            http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [tag_request_async]}, **extra)
-        else:
-            http = openai.DefaultHttpxClient(event_hooks={"request": [tag_request]}, **extra)
-        return {**options, "http_client": http}
+        hook = tag_request_async if async_client else tag_request
+        return {**options, "http_client": client_class(event_hooks={"request": [hook]}, **extra)}
 
     async def get_step(self) -> int:
         """The latest training step of this model (0 before any training)."""
@@ -355,3 +364,12 @@ def _clients() -> tuple[type[openai.AsyncOpenAI], type[openai.OpenAI]]:
         pass
 
     return AsyncOpenAI, OpenAI
+
+
+def _transport_base(client_class: type, async_client: bool) -> type:
+    """The transport base class of the httpx package (httpx or httpx2) an SDK's client class builds on."""
+    package = next(c for c in client_class.__mro__ if c.__module__.startswith("httpx")).__module__.split(".")[
+        0
+    ]
+    httpx = importlib.import_module(package)
+    return httpx.AsyncBaseTransport if async_client else httpx.BaseTransport

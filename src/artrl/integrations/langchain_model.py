@@ -1,7 +1,8 @@
 """`artrl.langchain_chat_model(model)`: a LangChain `ChatOpenAI` bound to the served model.
 
-Its calls made inside an `artrl.capture(model)` block are recorded there, exact token ids included: its httpx
-clients carry the same request hook as `model.openai_client()`. LangChain turns responses into `AIMessage`s
+Its calls made inside an `artrl.capture(model)` block are recorded there, exact token ids included: its HTTP
+clients are the installed openai SDK's own (`httpx` under openai 2, `httpx2` under openai 3) and carry the same
+request hook as `model.openai_client()`. LangChain turns responses into `AIMessage`s
 and drops the gateway's extra fields, which is fine: the gateway records the token ids server-side.
 Needs `pip install langchain-openai` (imported only when called).
 """
@@ -9,8 +10,6 @@ Needs `pip install langchain-openai` (imported only when called).
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-
-import httpx
 
 from artrl.capturing.block import needs_tls, tag_request, tag_request_async
 
@@ -43,13 +42,15 @@ def langchain_chat_model(model: Any, **kwargs: Any) -> ChatOpenAI:
     max_retries = getattr(client_config, "max_retries", None)
     if max_retries is not None:
         options["max_retries"] = max_retries
+    import openai  # (the SDK's client classes: a legacy httpx client handed to openai 3 is not its own)
+
     verify = needs_tls(base_url)
     if "http_async_client" not in kwargs:
-        options["http_async_client"] = httpx.AsyncClient(
+        options["http_async_client"] = openai.DefaultAsyncHttpxClient(
             event_hooks={"request": [tag_request_async]}, timeout=timeout, verify=verify
         )
     if "http_client" not in kwargs:
-        options["http_client"] = httpx.Client(
+        options["http_client"] = openai.DefaultHttpxClient(
             event_hooks={"request": [tag_request]}, timeout=timeout, verify=verify
         )
     return ChatOpenAI(**{**options, **kwargs})
