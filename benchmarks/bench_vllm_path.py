@@ -118,6 +118,11 @@ async def run(args: argparse.Namespace) -> list[str]:
             model = artrl.TrainableModel(name="path", project="bench", base_model=str(folder))
             await model.register(backend)
             engine = backend.service(model).engine
+            if args.pin and engine.server is not None:
+                bound, ours = harness.pin_away_from(engine.server.process.pid)
+                args.pinned = (
+                    f"vLLM computes on cores {sorted(bound)}, this process on {sorted(ours)}" if bound else ""
+                )
             direct = openai.AsyncOpenAI(
                 base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
             )
@@ -145,10 +150,10 @@ def section(args: argparse.Namespace, rows: list[str]) -> str:
         [
             SECTION_HEADING,
             "",
-            f"{harness.dated_machine_line()}; {harness.vllm_version() or 'vLLM ?'}",
+            f"{args.machine_line}; {harness.vllm_version() or 'vLLM ?'}",
             f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
             f"median of {args.runs} runs, endpoints alternating; `tiny` preset; the gateway's wire to vLLM: "
-            f"`VLLMConfig(wire={args.wire!r})`",
+            f"`VLLMConfig(wire={args.wire!r})`; {args.pinned or 'threads not pinned'}",
             "- *artrl / direct*: tok/s ratio (acceptance: >= 0.95x at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
             "for artrl the SDK and the gateway)",
@@ -179,13 +184,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--wire", default="completions", choices=("completions", "generate"), help="VLLMConfig.wire"
     )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave this process's threads on every core (default: off the cores vLLM computes on, for both "
+        "endpoints' clients alike: on a small CPU host their wake-ups would preempt vLLM's forward passes)",
+    )
     parser.add_argument("--out", type=Path, default=harness.HERE / "RESULTS.md")
     parser.add_argument("--model-cache", type=Path, default=harness.HERE / "out" / "models")
     args = parser.parse_args(argv)
     default = (1, 8) if args.quick else (1, 8, 64)
     args.sessions = tuple(int(n) for n in args.sessions.split(",")) if args.sessions else default
     args.runs = args.runs or (1 if args.quick else 3)
-    args.headline = []
+    args.headline, args.pinned = [], ""
+    args.machine_line = harness.dated_machine_line()  # (before this process is pinned to fewer cores)
     started = time.perf_counter()
     rows = asyncio.run(run(args))
     text = section(args, rows)

