@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--base-model", default=None, help="HF folder or hub id (default: the tiny model)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=4e-3)
