@@ -23,7 +23,8 @@ number, e.g. `1,3`):
 
 After the settings' table, a side-by-side table answers "faster than TRL, and how close to vLLM?": artrl on
 the embedded engine (1), artrl + vLLM (5), TRL (7) and vLLM direct (5's direct requests), rollout tok/s
-against vLLM direct, the step against TRL's, the update's MFU and peak memory.
+against vLLM direct, the step against TRL's, the update's MFU and peak memory. `--settings side-by-side` runs
+those three settings alone (the whole list takes longer than 8 minutes on one GPU).
 
 Each setting builds a model folder offline (the tokenizer and chat template of `artrl.build_tiny_model`,
 random weights of the shape saved in bf16; sampled ids may fall outside the small vocabulary, which is
@@ -66,6 +67,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_setting import EXIT_NO_CUDA, SETTINGS, Setting, detect_peak, log, measure
 
 SETTING_TIMEOUT_S = 300
+SIDE_BY_SIDE = (
+    "1,5,7"  # artrl embedded, artrl + vLLM (and vLLM direct), TRL: what the side-by-side table reads
+)
 
 
 def skip_reason(setting: Setting, args: argparse.Namespace) -> str | None:
@@ -162,7 +166,12 @@ def side_by_side(results: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--settings", default="all", help="'all' or setting numbers, e.g. 1,3 (see above)")
+    parser.add_argument(
+        "--settings",
+        default="all",
+        help=f"'all', 'side-by-side' (settings {SIDE_BY_SIDE}: the comparison alone, within 8 minutes on one "
+        "GPU) or setting numbers, e.g. 1,3 (see above)",
+    )
     parser.add_argument("--agents", type=int, default=None, help="concurrent rollouts per step (default 32)")
     parser.add_argument("--tokens", type=int, default=None, help="completion tokens each (default 128)")
     parser.add_argument("--group-size", type=int, default=4, help="rollouts per GRPO group (default 4)")
@@ -199,11 +208,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--agents must be a multiple of --group-size, and --group-size >= 2")
     if args.tokens < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--tokens >= 1, --steps >= 1, --warmup >= 0")
-    picked = range(1, len(SETTINGS) + 1) if args.settings == "all" else args.settings.split(",")
+    named = {"all": ",".join(str(k) for k in range(1, len(SETTINGS) + 1)), "side-by-side": SIDE_BY_SIDE}
+    picked = named.get(args.settings, args.settings).split(",")
     try:
         args.picked = [int(k) for k in picked]
     except ValueError:
-        parser.error(f"--settings: 'all' or numbers 1-{len(SETTINGS)}")
+        parser.error(f"--settings: 'all', 'side-by-side' or numbers 1-{len(SETTINGS)}")
     if any(not 1 <= k <= len(SETTINGS) for k in args.picked):
         parser.error(f"--settings: numbers 1-{len(SETTINGS)}")
     return args

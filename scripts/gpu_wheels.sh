@@ -7,7 +7,7 @@
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl .whl/qlora/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 &&
-#   python3 benchmarks/gpu_check.py --json-out $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
+#   python3 benchmarks/gpu_check.py --settings side-by-side --json-out $OUT/gpu.json 2>&1 | tee $OUT/gpu.log
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
