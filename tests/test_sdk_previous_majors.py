@@ -18,7 +18,7 @@ pytestmark = (
 
 ROOT = Path(__file__).resolve().parents[1]
 PREVIOUS = ROOT / ".venv" / "sdk-previous"
-# chat (plain, streamed, sync), Responses and Messages (streamed, their errors), capture (the model's client,
+# chat (plain, streamed, sync), Responses and Messages (streamed, their errors; anthropic in process), capture (the model's client,
 # any client on the capture's URL, streamed, scripted tool calls), LangChain/LangGraph (async and sync)
 CROSS_SECTION = [
     "tests/local/gateway/test_openai_sdk.py::test_plain_chat_carries_token_ids",
@@ -27,6 +27,7 @@ CROSS_SECTION = [
     "tests/local/gateway/test_dialects.py::test_responses_streaming",
     "tests/local/gateway/test_dialects.py::test_messages_streaming",
     "tests/local/gateway/test_dialects.py::test_bad_requests_are_clear_errors",
+    "tests/local/gateway/test_in_process_transport.py::test_the_anthropic_client_skips_the_network_on_its_own_httpx",
     "tests/capturing/test_capture.py::test_unchanged_agent_through_model_client_is_captured",
     "tests/capturing/test_capture.py::test_per_capture_base_url_records_any_client",
     "tests/capturing/test_capture.py::test_streaming_call_is_recorded_with_token_ids",

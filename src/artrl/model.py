@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import json
 import re
 import weakref
@@ -23,6 +22,7 @@ from artrl.config import (
     TrainConfig,
 )
 from artrl.random_ids import random_hex
+from artrl.sdk_http import httpx_package
 from artrl.trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -68,9 +68,10 @@ class Backend(Protocol):
 
     async def close(self) -> None: ...
 
-    def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
+    def client_transport(self, model: TrainableModel, sync: bool = False, httpx: Any = None) -> Any:
         """An httpx transport (async, or `sync`) that reaches the model's server without the network (same
-        process), or None: clients use HTTP."""
+        process), or None: clients use HTTP. `httpx`: the package of the client it is for (`httpx` or
+        `httpx2`, artrl.sdk_http.httpx_package; None: the openai SDK's)."""
         ...
 
 
@@ -263,12 +264,8 @@ class TrainableModel(BaseModel, Generic[ModelConfig]):
         client_class = sdk.DefaultAsyncHttpxClient if async_client else sdk.DefaultHttpxClient
         transport = None
         if options["base_url"] == self._base_url and self._backend is not None:
-            transport = self._backend.client_transport(self, sync=not async_client)
-            # built on openai's httpx package: another SDK on another one (httpx2 / httpx) goes over HTTP
-            if transport is not None and not isinstance(
-                transport, _transport_base(client_class, async_client)
-            ):
-                transport = None
+            httpx = httpx_package(client_class)  # (anthropic and openai may build on different ones)
+            transport = self._backend.client_transport(self, sync=not async_client, httpx=httpx)
         extra = {} if transport is None else {"transport": transport}
         hook = tag_request_async if async_client else tag_request
         return {**options, "http_client": client_class(event_hooks={"request": [hook]}, **extra)}
@@ -364,12 +361,3 @@ def _clients() -> tuple[type[openai.AsyncOpenAI], type[openai.OpenAI]]:
         pass
 
     return AsyncOpenAI, OpenAI
-
-
-def _transport_base(client_class: type, async_client: bool) -> type:
-    """The transport base class of the httpx package (httpx or httpx2) an SDK's client class builds on."""
-    package = next(c for c in client_class.__mro__ if c.__module__.startswith("httpx")).__module__.split(".")[
-        0
-    ]
-    httpx = importlib.import_module(package)
-    return httpx.AsyncBaseTransport if async_client else httpx.BaseTransport

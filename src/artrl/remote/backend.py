@@ -69,7 +69,7 @@ class RemoteBackend:
         await self._call("POST", "/artrl/v1/models", spec)
         return f"{self.url}/v1", self.api_key or "artrl"
 
-    def client_transport(self, model: TrainableModel, sync: bool = False) -> None:
+    def client_transport(self, model: TrainableModel, sync: bool = False, httpx: Any = None) -> None:
         return None  # (over the network: no in-process transport)
 
     async def get_step(self, model: TrainableModel) -> int:

@@ -11,8 +11,9 @@ import openai
 import pytest
 from fakes import aborted
 
+import artrl
 from artrl.config import GatewayConfig
-from artrl.local.gateway.in_process import openai_httpx
+from artrl.sdk_http import openai_httpx
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -34,6 +35,25 @@ async def test_the_default_client_skips_the_network_and_answers_as_http_does(fre
         [t.logprob for t in b.choices[0].logprobs.content]
     )
     await over_http.close()
+
+
+async def test_the_anthropic_client_skips_the_network_on_its_own_httpx(fresh_model):
+    """anthropic may build on another httpx package than openai (anthropic 1.17+ on httpx2, openai 2 on
+    httpx): its client gets a transport of its own package (tests/test_sdk_previous_majors.py runs this with
+    those two), and is recorded by a capture like openai's."""
+    import anthropic
+
+    from artrl.sdk_http import httpx_package
+
+    client = fresh_model.anthropic_client()
+    transport = client._client._transport
+    assert type(transport).__name__ == "GatewayTransport"
+    assert isinstance(transport, httpx_package(anthropic.DefaultAsyncHttpxClient).AsyncBaseTransport)
+    async with artrl.capture(fresh_model) as cap:
+        message = await client.messages.create(
+            model=fresh_model.name, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert message.content and cap.trajectory.choices()[0].token_ids
 
 
 async def test_streaming_and_errors_through_the_in_process_transport(fresh_model):

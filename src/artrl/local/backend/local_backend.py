@@ -107,9 +107,10 @@ class LocalBackend:
         """Serve `model` (its latest checkpoint, if any): the gateway's base URL and API key."""
         return await self._models.register(model)
 
-    def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
-        """An httpx transport to the model's gateway without a socket (None: use HTTP)."""
-        return self._models.client_transport(model, sync)
+    def client_transport(self, model: TrainableModel, sync: bool = False, httpx: Any = None) -> Any:
+        """An httpx transport to the model's gateway without a socket (None: use HTTP); `httpx`: the package
+        of the client it is for (None: openai's)."""
+        return self._models.client_transport(model, sync, httpx)
 
     async def get_step(self, model: TrainableModel) -> int:
         return latest_step(self.directory(model))

@@ -177,12 +177,12 @@ class ModelsHere:
         )
         return service, spec
 
-    def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
+    def client_transport(self, model: TrainableModel, sync: bool = False, httpx: Any = None) -> Any:
         """The gateway in this process, reached without a socket (see local/gateway/in_process.py)."""
         service = self._services.get((model.project, model.name))
         if service is None or not self.gateway_config.in_process_clients:
             return None
-        return service.server.transport(sync)
+        return service.server.transport(sync, httpx)
 
     async def train(
         self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig

@@ -223,13 +223,13 @@ class ServiceProcess:
     def service(self, model: TrainableModel) -> Any:
         raise RuntimeError("this backend's services run in a child process (LocalBackend(in_process=False))")
 
-    def client_transport(self, model: TrainableModel, sync: bool = False) -> Any:
+    def client_transport(self, model: TrainableModel, sync: bool = False, httpx: Any = None) -> Any:
         """An httpx transport to the model's gateway in the child, over the pipe (None: not registered, or
         GatewayConfig(in_process_clients=False))."""
         key = (model.project, model.name)
         if key not in self._servers or not self.gateway_config.in_process_clients:
             return None
-        return link_transport(_PipeLink(self, key), *self._servers[key], sync)
+        return link_transport(_PipeLink(self, key), *self._servers[key], sync, httpx)
 
     # (the child finishes a training step whole even if this call is cancelled)
     async def train(self, model: TrainableModel, groups: list[Any], config: Any) -> Any:

@@ -14,13 +14,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import importlib
 import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
+
+from artrl.sdk_http import openai_httpx
 
 _END = object()  # the response body is complete
 IN_PROCESS = "artrl.in_process"  # the scope extension of the requests these transports carry
@@ -49,21 +50,16 @@ class Exchanges:
             exchange.abandon("the artrl gateway stopped before answering")
 
 
-def link_transport(link: Any, host: str, port: int, sync: bool = False) -> Any:
+def link_transport(
+    link: Any, host: str, port: int, sync: bool = False, httpx: ModuleType | None = None
+) -> Any:
     """A transport whose requests `link` carries to the gateway: `link.submit(exchange, scope, request)`
     starts one (raising the httpx ConnectError it is given when it cannot), `link.disconnect(exchange)` tells
-    the app its client went away; the answer comes back through `exchange.deliver` and `exchange.ended`."""
-    httpx = openai_httpx()
+    the app its client went away; the answer comes back through `exchange.deliver` and `exchange.ended`.
+    `httpx`: the package of the client it is for (`artrl.sdk_http.httpx_package`; None: openai's)."""
+    httpx = httpx or openai_httpx()
     transport = _sync_classes(httpx)[0] if sync else _classes(httpx)[0]
     return transport(httpx, link, (host, port))
-
-
-def openai_httpx() -> ModuleType:
-    """The httpx module the installed `openai` SDK builds its clients on."""
-    import openai
-
-    client = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if not c.__module__.startswith("openai"))
-    return importlib.import_module(client.__module__.split(".")[0])
 
 
 @functools.cache

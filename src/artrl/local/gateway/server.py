@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -58,10 +59,10 @@ class GatewayServer:
         # requests from this process's transports, and from the service process's pipe (service_child)
         self.link = AppLink(self._app, self._server.servers[0].get_loop(), self._exchanges)
 
-    def transport(self, sync: bool = False):
+    def transport(self, sync: bool = False, httpx: Any = None):
         """An httpx transport to this gateway from the same process, without a socket (see in_process);
-        `sync` for a synchronous client."""
-        return link_transport(self.link, self.host, self.port, sync)
+        `sync` for a synchronous client, `httpx` the package of the client (None: openai's)."""
+        return link_transport(self.link, self.host, self.port, sync, httpx)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.should_exit = True

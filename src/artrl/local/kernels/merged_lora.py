@@ -67,7 +67,9 @@ class MergedLora:
             return None
         unmergeable = sorted({type(m).__name__ for m in lora if not mergeable(m)})
         if unmergeable:  # (ParamWrapper: LoRA on an MoE's fused expert weights)
-            log.info("the adapter has layers artrl does not merge (%s): inference keeps the adapter", unmergeable)
+            log.info(
+                "the adapter has layers artrl does not merge (%s): inference keeps the adapter", unmergeable
+            )
             return None
         return cls(lora)
 

@@ -16,10 +16,10 @@ from starlette.background import BackgroundTask
 from artrl.capturing.block import CAPTURE_HEADER
 from artrl.config import GatewayConfig
 from artrl.local.gateway.calls import bounded_body
-from artrl.local.gateway.in_process import openai_httpx
 from artrl.local.server.captures import ServerCaptures
 from artrl.local.server.hosted import HostedModels, NotFound
 from artrl.local.server.refusals import Refused
+from artrl.sdk_http import openai_httpx
 
 
 class Forwarder:

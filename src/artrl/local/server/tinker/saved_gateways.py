@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 import httpx
 
 from artrl.local.engine.contract import SamplingParams, SequenceStream
-from artrl.local.gateway.in_process import openai_httpx
 from artrl.local.server.tinker.futures import UserError
 from artrl.local.server.tinker.models import TinkerModels
 from artrl.local.service.service import LocalService
+from artrl.sdk_http import openai_httpx
 
 T = TypeVar("T")
 PREFIX = "tinker://"
