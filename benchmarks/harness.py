@@ -225,10 +225,10 @@ def vllm_version(timeout_s: float = 60.0) -> str | None:
     return done.stdout.strip() or None
 
 
-def process_tree_cpu_s(root: int | None = None) -> float:
-    """CPU seconds used so far by a process and all its live descendants (servers it started included)."""
+def _process_table() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Every live process's children, and its CPU seconds so far (itself and its waited-for children)."""
     tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
     cpu: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -238,18 +238,25 @@ def process_tree_cpu_s(root: int | None = None) -> float:
         except (OSError, IndexError):
             continue  # it ended meanwhile
         pid = int(entry.name)
-        parent[pid] = int(fields[1])
+        children.setdefault(int(fields[1]), []).append(pid)
         cpu[pid] = (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / tick
-    root = os.getpid() if root is None else root
-    total, todo = 0.0, [root]
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
+    return children, cpu
+
+
+def _tree(root: int, children: dict[int, list[int]]) -> list[int]:
+    """`root` and all its live descendants."""
+    found, todo = [], [root]
     while todo:
         pid = todo.pop()
-        total += cpu.get(pid, 0.0)
+        found.append(pid)
         todo.extend(children.get(pid, []))
-    return total
+    return found
+
+
+def process_tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds used so far by a process and all its live descendants (servers it started included)."""
+    children, cpu = _process_table()
+    return sum(cpu.get(pid, 0.0) for pid in _tree(os.getpid() if root is None else root, children))
 
 
 def tree_cpu_snapshot() -> tuple[float, float, float]:
@@ -279,23 +286,6 @@ async def settle(limit_s: float = 15.0, at_least_s: float = 0.0) -> float:
     return time.perf_counter() - started
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 def pin_away_from(server_pid: int) -> tuple[set[int], set[int]]:
     """On a CPU host: vLLM binds its compute (OpenMP) threads to some cores; keep every thread of this
     process (the benchmark's clients, and artrl's gateway when it runs here) off them, so that neither
@@ -303,7 +293,7 @@ def pin_away_from(server_pid: int) -> tuple[set[int], set[int]]:
     cores); nothing changes when vLLM bound no thread or no core would be left."""
     allowed = os.sched_getaffinity(0)
     bound: set[int] = set()
-    for pid in _descendants(server_pid):
+    for pid in _tree(server_pid, _process_table()[0]):
         for task in Path(f"/proc/{pid}/task").glob("*"):
             try:
                 cores = os.sched_getaffinity(int(task.name))

@@ -49,7 +49,7 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 @pytest.fixture(scope="session")
 def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of shared_folder's folders (for a child pytest: its $ARTRL_TEST_SHARED)."""
-    return shared_folder(tmp_path_factory, "family").parent
+    return shared_folder(tmp_path_factory, "")
 
 
 @pytest.fixture(scope="session")
