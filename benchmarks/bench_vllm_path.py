@@ -110,7 +110,9 @@ async def run(args: argparse.Namespace) -> list[str]:
 
     folder = harness.ensure_model("tiny", args.model_cache)
     vllm = artrl.VLLMConfig(
-        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"), wire=args.wire
+        extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+        wire=args.wire,
+        **({} if args.stream_interval is None else {"stream_interval": args.stream_interval}),
     )
     rows: list[str] = []
     with tempfile.TemporaryDirectory(prefix="artrl-bench-vllm-path-") as tmp:
@@ -153,7 +155,7 @@ def section(args: argparse.Namespace, rows: list[str]) -> str:
             f"{args.machine_line}; {harness.vllm_version() or 'vLLM ?'}",
             f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
             f"median of {args.runs} runs, endpoints alternating; `tiny` preset; the gateway's wire to vLLM: "
-            f"`VLLMConfig(wire={args.wire!r})`; {args.pinned or 'threads not pinned'}",
+            f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})`; {args.pinned or 'threads not pinned'}",
             "- *artrl / direct*: tok/s ratio (acceptance: >= 0.95x at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
             "for artrl the SDK and the gateway)",
@@ -185,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         "--wire", default="completions", choices=("completions", "generate"), help="VLLMConfig.wire"
     )
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="VLLMConfig.stream_interval: tokens per chunk the gateway asks vLLM for (default: artrl's default)",
+    )
+    parser.add_argument(
         "--no-pin",
         dest="pin",
         action="store_false",
@@ -200,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     args.headline, args.pinned = [], ""
     args.machine_line = harness.dated_machine_line()  # (before this process is pinned to fewer cores)
     started = time.perf_counter()
+    import artrl
+
+    args.interval = args.stream_interval or artrl.VLLMConfig().stream_interval
     rows = asyncio.run(run(args))
     text = section(args, rows)
     print(f"({time.perf_counter() - started:.0f} s)")

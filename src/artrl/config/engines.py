@@ -103,6 +103,14 @@ class VLLMConfig(_Frozen):
         "logprobs as integers, nothing detokenized on vLLM's side; vLLM >= 0.32, which artrl starts with "
         "--enable-scale-out; a server at `url` needs that flag)",
     )
+    stream_interval: int = Field(
+        default=16,
+        ge=1,
+        description="tokens per streamed chunk that the gateway asks vLLM for (vLLM's per-request "
+        "stream_interval, >= 0.32; older servers send one a token): the first and last chunks come at once, so "
+        "a call's latency is unchanged, while reading the stream costs the gateway's CPU per chunk, not per "
+        "token. 1 = a chunk a token (a streaming client of the gateway then sees every token as vLLM makes it)",
+    )
     extra_args: tuple[str, ...] = Field(default=(), description="more vLLM server arguments, passed as given")
     env: dict[str, str] = Field(
         default_factory=dict,

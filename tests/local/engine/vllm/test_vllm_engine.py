@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 from fakes import sse
+from scripted_vllm import SILENT, Answer, ScriptedVLLM
 from tolerances import assert_logprobs_close
 
 import artrl
@@ -47,6 +48,9 @@ def test_sampling_parameters_map_onto_a_token_in_completions_request():
     assert body["stop_token_ids"] == [2, 9] and body["ignore_eos"] is True
     assert body["return_token_ids"] and body["return_tokens_as_token_ids"] and body["logprobs"] == 2
     assert "seed" not in completion_request("m", [1], SamplingParams(max_tokens=1), n=1)
+    # tokens per streamed chunk: asked for only above vLLM's default of one a token
+    assert "stream_interval" not in body
+    assert completion_request("m", [1], params, n=1, stream_interval=16)["stream_interval"] == 16
 
 
 def test_streamed_choice_gives_ids_logprobs_and_the_k_best_alternatives():
@@ -88,6 +92,10 @@ def test_the_generate_wire_maps_the_same_parameters_and_reads_integer_logprobs()
     assert sampling["seed"] == 3 and sampling["stop_token_ids"] == [2, 9] and sampling["ignore_eos"] is True
     assert sampling["logprobs"] == 2 and sampling["detokenize"] is False and body["stream"] is True
     assert "seed" not in generate_request("m", [1], SamplingParams(max_tokens=1), n=1)["sampling_params"]
+    assert "stream_interval" not in sampling
+    assert (
+        generate_request("m", [1], params, n=1, stream_interval=8)["sampling_params"]["stream_interval"] == 8
+    )
     chunk = {
         "index": 0,
         "token_ids": [5, 7],
@@ -123,17 +131,11 @@ def choice(index: int, ids: list[int], finish: str | None) -> dict:
     }
 
 
-def fake_vllm_engine(handler) -> tuple[VLLMEngine, list[dict]]:
-    """A VLLMEngine whose HTTP client talks to `handler` (an httpx MockTransport) instead of a server."""
-    engine = VLLMEngine([Replica(0, "http://vllm.invalid")], "m", "m", 2048, VLLMConfig(request_timeout_s=30))
-    bodies: list[dict] = []
-
-    def record(request: httpx.Request):
-        bodies.append(json.loads(request.content))
-        return handler(request)
-
-    engine._clients[asyncio.get_running_loop()] = httpx.AsyncClient(transport=httpx.MockTransport(record))
-    return engine, bodies
+def fake_vllm_engine(*answers) -> tuple[VLLMEngine, ScriptedVLLM]:
+    """A VLLMEngine over a scripted fake vLLM server on a local port (its requests get `answers` in order)."""
+    server = ScriptedVLLM(*answers)
+    engine = VLLMEngine([Replica(0, server.base_url)], "m", "m", 2048, VLLMConfig(request_timeout_s=30))
+    return engine, server
 
 
 async def collect(stream) -> list[int]:
@@ -141,49 +143,56 @@ async def collect(stream) -> list[int]:
 
 
 async def test_greedy_n_asks_vllm_for_one_sequence_and_copies_it():
-    engine, bodies = fake_vllm_engine(
-        lambda r: httpx.Response(200, content=sse(choice(0, [4, 5, 2], "stop")))
-    )
+    engine, server = fake_vllm_engine(Answer(200, sse(choice(0, [4, 5, 2], "stop"))))
     streams = engine.generate([1, 2], SamplingParams(max_tokens=5, temperature=0.0), n=3)
     assert [await collect(s) for s in streams] == [[4, 5, 2]] * 3
-    assert all(s.finish_reason == "stop" for s in streams) and bodies[0]["n"] == 1
+    assert all(s.finish_reason == "stop" for s in streams) and server.bodies[0]["n"] == 1
     await engine.close()
+    server.stop()
+
+
+async def test_streams_of_many_tokens_a_chunk_and_kept_alive_connections():
+    """vLLM sends `stream_interval` tokens a chunk; the connection of a finished stream serves the next."""
+    engine, server = fake_vllm_engine(Answer(200, sse(choice(0, [4], None), choice(0, [5, 6, 7], "length"))))
+    for _ in range(3):
+        (stream,) = engine.generate([1, 2], SamplingParams(max_tokens=4), n=1)
+        assert await collect(stream) == [4, 5, 6, 7] and stream.finish_reason == "length"
+        while engine._tasks:  # the request reads its stream's end (vLLM's [DONE], a moment later)
+            await asyncio.sleep(0.01)
+    assert [b["stream_interval"] for b in server.bodies] == [VLLMConfig().stream_interval] * 3
+    assert len(set(server.connections)) == 1  # read to its end, each stream left its connection reusable
+    await engine.close()
+    server.stop()
 
 
 async def test_a_server_side_abort_or_a_cut_stream_is_an_error_not_a_short_answer():
     from artrl.local.engine.contract import EngineError
 
     for chunks in ((choice(0, [4], None), choice(0, [5], "abort")), (choice(0, [4], None),)):
-        engine, _ = fake_vllm_engine(lambda r, chunks=chunks: httpx.Response(200, content=sse(*chunks)))
+        engine, server = fake_vllm_engine(Answer(200, sse(*chunks)))
         (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
         with pytest.raises(EngineError, match=r"abort|without a finish reason"):
             await collect(stream)
         await engine.close()
-    engine, _ = fake_vllm_engine(lambda r: httpx.Response(400, text="max_tokens is too large"))
+        server.stop()
+    engine, server = fake_vllm_engine(Answer(400, b"max_tokens is too large"))
     (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
     with pytest.raises(EngineError, match="400: max_tokens is too large"):
         await collect(stream)
     await engine.close()
+    server.stop()
 
 
 async def test_a_consumer_that_goes_away_cancels_the_request_without_waiting_for_a_token():
-    opened, closed = asyncio.Event(), asyncio.Event()
-
-    class Silent(httpx.AsyncByteStream):  # vLLM busy elsewhere: no token for a long while
-        async def __aiter__(self):
-            opened.set()
-            await asyncio.sleep(60)
-            yield b""
-
-        async def aclose(self) -> None:
-            closed.set()
-
-    engine, _ = fake_vllm_engine(lambda r: httpx.Response(200, stream=Silent()))
+    engine, server = fake_vllm_engine(SILENT)  # vLLM busy elsewhere: no token for a long while
     (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
-    await asyncio.wait_for(opened.wait(), timeout=30)  # the request is waiting for its first token
+    assert await asyncio.to_thread(server.opened.wait, 30)  # the request is waiting for its first token
     stream.abort()
-    await asyncio.wait_for(closed.wait(), timeout=30)  # the connection to vLLM is closed (not after 60 s)
+    assert await asyncio.to_thread(
+        server.closed.wait, 30
+    )  # the connection to vLLM is closed (not after 60 s)
     await engine.close()
+    server.stop()
 
 
 async def test_full_finetuning_on_a_server_artrl_did_not_start_is_refused_at_register(

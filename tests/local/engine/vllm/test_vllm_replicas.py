@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 from fakes import sse
+from scripted_vllm import CUT, Answer, ScriptedVLLM
 from tolerances import assert_logprobs_close
 
 import artrl
@@ -31,32 +32,10 @@ def tokens(ids: list[int], finish: str | None) -> dict:
     return {"choices": [{"index": 0, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-class CutStream(httpx.AsyncByteStream):
-    """A replica that streams one token, then dies (the connection breaks)."""
-
-    async def __aiter__(self):
-        yield f"data: {json.dumps(tokens([4], None))}\n\n".encode()
-        raise httpx.ReadError("connection reset by peer")
-
-
-def two_fake_replicas(answers: list) -> tuple[VLLMEngine, list[str]]:
-    """An engine over replicas r0 and r1 whose requests get `answers` in order (an httpx.Response, or an
-    exception the transport raises); returns the engine and the hosts asked, in order."""
-    replicas = [Replica(0, "http://r0.invalid"), Replica(1, "http://r1.invalid")]
-    engine = VLLMEngine(
-        replicas, "m", "m", 2048, VLLMConfig(request_timeout_s=30, health_check_interval_s=60)
-    )
-    asked: list[str] = []
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        asked.append(request.url.host)
-        answer = answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    engine._clients[asyncio.get_running_loop()] = httpx.AsyncClient(transport=httpx.MockTransport(handle))
-    return engine, asked
+def two_fake_replicas(r0: ScriptedVLLM, r1: ScriptedVLLM) -> VLLMEngine:
+    """An engine over two scripted fake replicas (on local ports); ties go to r0 first."""
+    replicas = [Replica(0, r0.base_url), Replica(1, r1.base_url)]
+    return VLLMEngine(replicas, "m", "m", 2048, VLLMConfig(request_timeout_s=30, health_check_interval_s=60))
 
 
 async def generate(engine: VLLMEngine) -> list[int]:
@@ -65,44 +44,51 @@ async def generate(engine: VLLMEngine) -> list[int]:
 
 
 async def test_a_request_that_fails_before_any_token_is_sent_to_the_other_replica():
-    for failure in (httpx.ConnectError("connection refused"), httpx.Response(500, text="EngineDeadError")):
-        engine, asked = two_fake_replicas(
-            [failure, httpx.Response(200, content=sse(tokens([4, 5, 2], "stop")))]
-        )
+    for r0 in (ScriptedVLLM(Answer(500, b"EngineDeadError")), ScriptedVLLM(CUT).down()):  # (down: refused)
+        r1 = ScriptedVLLM(Answer(200, sse(tokens([4, 5, 2], "stop"))))
+        engine = two_fake_replicas(r0, r1)
         assert await generate(engine) == [4, 5, 2]
-        assert sorted(asked) == ["r0.invalid", "r1.invalid"]  # one each
+        assert len(r1.bodies) == 1 and engine.router.served == [1, 1]  # r0 tried first, then r1
         await engine.close()
+        r0.stop(), r1.stop()
 
 
 async def test_a_request_that_fails_after_streaming_or_for_its_own_sake_is_not_retried():
-    engine, asked = two_fake_replicas([httpx.Response(200, stream=CutStream())])
+    # a replica that streams one token, then dies (the connection breaks)
+    r0 = ScriptedVLLM(CUT, first_token=f"data: {json.dumps(tokens([4], None))}\n\n".encode())
+    r1 = ScriptedVLLM(Answer(200, sse(tokens([4, 5, 2], "stop"))))
+    engine = two_fake_replicas(r0, r1)
     with pytest.raises(
-        EngineError, match=r"vLLM replica \d .*ReadError.*after some of its tokens were streamed"
+        EngineError, match=r"vLLM replica 0 .*Payload.*after some of its tokens were streamed"
     ):
         await generate(engine)
-    assert len(asked) == 1
+    assert (len(r0.bodies), len(r1.bodies)) == (1, 0)
     await engine.close()
-    engine, asked = two_fake_replicas([httpx.Response(400, text="max_tokens is too large")])
+    r0.stop()
+    r0 = ScriptedVLLM(Answer(400, b"max_tokens is too large"))
+    engine = two_fake_replicas(r0, r1)
     with pytest.raises(EngineError, match="400: max_tokens is too large"):
         await generate(engine)
-    assert len(asked) == 1
+    assert (len(r0.bodies), len(r1.bodies)) == (1, 0)
     await engine.close()
+    r0.stop(), r1.stop()
 
 
 async def test_a_stream_that_ends_with_no_token_and_no_finish_reason_is_sent_to_the_other_replica():
-    engine, asked = two_fake_replicas(
-        [httpx.Response(200, content=sse()), httpx.Response(200, content=sse(tokens([4, 2], "stop")))]
-    )
+    r0, r1 = ScriptedVLLM(Answer(200, sse())), ScriptedVLLM(Answer(200, sse(tokens([4, 2], "stop"))))
+    engine = two_fake_replicas(r0, r1)
     assert await generate(engine) == [4, 2]
-    assert sorted(asked) == ["r0.invalid", "r1.invalid"]
+    assert (len(r0.bodies), len(r1.bodies)) == (1, 1)
     await engine.close()
+    r0.stop(), r1.stop()
 
 
 async def test_no_replica_up_is_a_clear_error_at_once():
-    engine, asked = two_fake_replicas([httpx.ConnectError("connection refused")] * 2)
+    engine = two_fake_replicas(ScriptedVLLM(CUT).down(), ScriptedVLLM(CUT).down())
     with pytest.raises(EngineError) as failure:
         await asyncio.wait_for(generate(engine), timeout=10)
-    assert len(asked) == 2 and "no vLLM replica can take the request" in str(failure.value)
+    assert "no vLLM replica can take the request" in str(failure.value)
+    assert "ClientConnectorError" in str(failure.value)  # both were tried: each one's reason is given
     engine.replicas[0].state, engine.replicas[0].down_reason = (
         "starting",
         "the vLLM server exited with code -9",
@@ -112,7 +98,6 @@ async def test_no_replica_up_is_a_clear_error_at_once():
         EngineError, match=r"replica 0 .* is starting: the vLLM server exited .* replica 1 .* is failed"
     ):
         await asyncio.wait_for(generate(engine), timeout=10)
-    assert len(asked) == 2  # nothing sent
     await engine.close()
 
 

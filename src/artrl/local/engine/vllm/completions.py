@@ -4,18 +4,31 @@ read into the gateway's sequence streams (sampled ids with their logprobs). Two 
 - `generate`: vLLM's `/inference/v1/generate` (a server started with `--enable-scale-out`, as artrl starts
   it): ids in, ids and logprobs out as integers, nothing detokenized on vLLM's side;
 - `completions`: `/v1/completions` with a prompt of ids (any vLLM server, e.g. one at VLLMConfig.url): vLLM
-  also writes each token's text, and its logprobs name tokens as `token_id:N` strings."""
+  also writes each token's text, and its logprobs name tokens as `token_id:N` strings.
+
+Either way vLLM sends `VLLMConfig.stream_interval` tokens a chunk, and each stream is read to its end (vLLM's
+`[DONE]`), so that its kept-alive connection serves a next request instead of being closed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import warnings
+from collections.abc import Callable
 from typing import Any
 
-import httpx
+import aiohttp
 
 from artrl.local.engine.contract import EngineError, SamplingParams, SequenceStream, TokenChoice
 from artrl.local.engine.vllm.replicas import Replica
+
+_STREAM_END_S = 1.0  # a stream whose every choice finished gets this long to end (else it is closed)
+# a kept-alive connection unused this long is closed: below the 5 s after which vLLM's server (uvicorn) closes
+# it, so that a request is rarely sent on a connection the server is closing (the one retry covers the rest)
+_KEEP_ALIVE_S = 2.0
+_LINE_BYTES = (
+    1 << 20
+)  # aiohttp's read buffer: an SSE line (a chunk of many tokens with their top logprobs) fits
 
 
 class ReplicaFailure(EngineError):
@@ -26,8 +39,10 @@ class ModelNotFound(EngineError):
     """A replica answered 404: it does not serve the model asked for (for an adapter: it lost it)."""
 
 
-def generate_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
-    """The body of a streamed /inference/v1/generate request."""
+def generate_request(
+    model: str, prompt_ids: list[int], params: SamplingParams, n: int, stream_interval: int = 1
+) -> dict[str, Any]:
+    """The body of a streamed /inference/v1/generate request (`stream_interval`: tokens per chunk)."""
     sampling: dict[str, Any] = {
         "n": n,
         "max_tokens": params.max_tokens,
@@ -39,6 +54,8 @@ def generate_request(model: str, prompt_ids: list[int], params: SamplingParams, 
         "skip_special_tokens": False,
         "detokenize": False,
     }
+    if stream_interval > 1:  # (vLLM >= 0.32; an older server ignores it)
+        sampling["stream_interval"] = stream_interval
     if params.seed is not None:
         sampling["seed"] = params.seed
     return {
@@ -67,8 +84,10 @@ def generate_tokens(choice: dict[str, Any], top_k: int) -> list[TokenChoice]:
     return tokens
 
 
-def completion_request(model: str, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
-    """The body of a token-in /v1/completions request (streamed)."""
+def completion_request(
+    model: str, prompt_ids: list[int], params: SamplingParams, n: int, stream_interval: int = 1
+) -> dict[str, Any]:
+    """The body of a token-in /v1/completions request (streamed; `stream_interval`: tokens per chunk)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt_ids),
@@ -85,6 +104,8 @@ def completion_request(model: str, prompt_ids: list[int], params: SamplingParams
         "detokenize": True,
         "stream": True,
     }
+    if stream_interval > 1:  # (vLLM >= 0.32; an older server ignores it)
+        body["stream_interval"] = stream_interval
     if params.seed is not None:
         body["seed"] = params.seed
     return body
@@ -119,8 +140,33 @@ WIRES = {  # wire: (path, request body, a choice's new tokens)
 }
 
 
+def open_session(connect_timeout_s: float) -> aiohttp.ClientSession:
+    """The HTTP client of one event loop's vLLM requests (on that loop). aiohttp, not httpx: its pool hands
+    out a kept-alive connection without looking at the others and it parses responses in C, where httpx's
+    pool checks every connection at each request and response (with 64 streams in flight, more CPU than
+    reading the streams)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEP_ALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
+        read_bufsize=_LINE_BYTES,
+    )
+
+
+def forget_session(session: aiohttp.ClientSession) -> None:
+    """Drop the session of an event loop that ended (nothing can be awaited on it any more): marked closed,
+    so that it says nothing when collected; its sockets close with it."""
+    connector = session.connector
+    session.detach()
+    if connector is not None:
+        with (
+            warnings.catch_warnings()
+        ):  # (close() on an ended loop only marks it closed; its waiter is dropped)
+            warnings.simplefilter("ignore")
+            connector.close()
+
+
 async def read_completion_stream(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     timeout_s: float,
     replica: Replica,
     wire: str,
@@ -137,15 +183,54 @@ async def read_completion_stream(
     top_k = settings["logprobs"]
     fan_out = settings["n"] < len(streams)  # greedy: choice 0 feeds every stream
     url = f"{replica.base_url}{path}"
-    async with asyncio.timeout(timeout_s):
-        async with client.stream("POST", url, json=body, headers=replica.headers) as response:
-            if response.status_code != 200:
-                await response.aread()
-                status = response.status_code
+    try:
+        await _read_stream(
+            client, timeout_s, replica, url, body, tokens_of, top_k, fan_out, streams, ended, sampled
+        )
+    except TimeoutError:
+        if not all(ended):
+            raise
+    if not all(ended[i] or streams[i].aborted for i in range(len(streams))):
+        raise ReplicaFailure(f"{replica.name()}: vLLM's stream ended without a finish reason")
+
+
+async def _post(
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], headers
+) -> aiohttp.ClientResponse:
+    """The response to one request, sent again once where the server closed a kept-alive connection as it was
+    sent (its keep-alive ended): vLLM got no request, so nothing is generated twice."""
+    try:
+        return await client.post(url, json=body, headers=headers)
+    except aiohttp.ClientConnectorError:  # (no connection made: the replica is down, not a stale connection)
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await client.post(url, json=body, headers=headers)
+
+
+async def _read_stream(
+    client: aiohttp.ClientSession,
+    timeout_s: float,
+    replica: Replica,
+    url: str,
+    body: dict[str, Any],
+    tokens_of: Callable[[dict[str, Any], int], list[TokenChoice]],
+    top_k: int,
+    fan_out: bool,
+    streams: list[SequenceStream],
+    ended: list[bool],
+    sampled: list[list[int]],
+) -> None:
+    async with asyncio.timeout(timeout_s) as deadline:
+        async with await _post(client, url, body, replica.headers) as response:
+            finished = False
+            if response.status != 200:
+                text = await response.text()
+                status = response.status
                 failure = ReplicaFailure if status >= 500 else ModelNotFound if status == 404 else EngineError
-                raise failure(f"vLLM answered {response.status_code}: {response.text[:2000]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                raise failure(f"vLLM answered {status}: {text[:2000]}")
+            async for raw in response.content:  # (one line each)
+                line = raw.rstrip(b"\r\n")
+                if finished or not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 replica.tokens_seen += 1  # it is working (the supervisor does not take a busy server down)
@@ -170,7 +255,8 @@ async def read_completion_stream(
                         if reason is not None:
                             ended[i] = True
                             streams[i].end("length" if reason == "length" else "stop")
-                if all(ended):
-                    return
-    if not all(ended[i] or streams[i].aborted for i in range(len(streams))):
-        raise ReplicaFailure(f"{replica.name()}: vLLM's stream ended without a finish reason")
+                if all(ended) and not finished:
+                    # what follows is `data: [DONE]`, at once: read to the end, so that the connection goes
+                    # back to the pool (closed with the body unread, every request would open a new one)
+                    finished = True
+                    deadline.reschedule(asyncio.get_running_loop().time() + _STREAM_END_S)

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Any
 
-import httpx
+import aiohttp
 
 from artrl.config import EngineConfig, VLLMConfig
 from artrl.local.concurrency.idle_thread import IdleEndingExecutor
@@ -36,6 +36,8 @@ from artrl.local.engine.vllm.completions import (
     WIRES,
     ModelNotFound,
     ReplicaFailure,
+    forget_session,
+    open_session,
     read_completion_stream,
 )
 from artrl.local.engine.vllm.replicas import Replica, ReplicaSet, StartServer
@@ -73,7 +75,7 @@ class VLLMEngine:
         self.model_name = model_name  # the artrl model's name: adapters are `{model_name}@{step}`
         self.loaded: list[str] = []  # adapters loaded by us, oldest first
         self._max_context = max_context
-        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._clients: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
         # generate: vLLM's token-in/token-out endpoint, on the servers artrl starts (--enable-scale-out)
@@ -123,18 +125,16 @@ class VLLMEngine:
         task.add_done_callback(self._tasks.discard)
         return streams
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
             # a loop that ended (one `asyncio.run` per call) never asks again: its client goes, unclosed
             # (closing needs that loop; its connections went with it), else one leaks per loop ever used
             for other in list(self._clients):  # (a copy: other loops' threads may add theirs meanwhile)
-                if other.is_closed():
-                    self._clients.pop(other, None)
-            timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            client = self._clients[loop] = httpx.AsyncClient(timeout=timeout, limits=limits)
+                if other.is_closed() and (ended := self._clients.pop(other, None)) is not None:
+                    forget_session(ended)
+            client = self._clients[loop] = open_session(self.config.connect_timeout_s)
         return client
 
     async def _run(
@@ -154,7 +154,8 @@ class VLLMEngine:
         target = self.target  # read once: a publish may move it meanwhile
         # vLLM refuses n > 1 for greedy sampling: one greedy sequence is every sequence
         make_body = WIRES[self.wire][1]
-        body = make_body(target, prompt_ids, params, 1 if params.temperature == 0 else len(streams))
+        n = 1 if params.temperature == 0 else len(streams)
+        body = make_body(target, prompt_ids, params, n, self.config.stream_interval)
         tried: set[int] = set()
         notes: list[str] = []
         while True:
@@ -181,7 +182,9 @@ class VLLMEngine:
                 if stale:  # its adapter list was stale: nothing streamed, so another replica may serve it
                     self.replicas.lost(replica, target)
                     reason = f"{replica.name()} does not hold {target} ({reason})"
-                replica_failed = stale or isinstance(exc, ReplicaFailure | httpx.TransportError)
+                replica_failed = stale or isinstance(
+                    exc, ReplicaFailure | aiohttp.ClientConnectionError | aiohttp.ClientPayloadError
+                )
                 if replica_failed:
                     self.replicas.suspect(route.replica)
                 if not replica_failed or any(sampled) or all(s.aborted for s in streams):
@@ -308,10 +311,12 @@ class VLLMEngine:
         try:
             for loop, client in clients.items():
                 if loop is here:
-                    await client.aclose()
+                    await client.close()
                 elif loop.is_running():  # the gateway's loop, in its own thread; it may stop meanwhile
-                    done = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.aclose(), loop))
+                    done = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.close(), loop))
                     await asyncio.wait([done], timeout=5)
+                elif loop.is_closed():
+                    forget_session(client)
         finally:
             await asyncio.to_thread(self.replicas.close)
             if self._owns_trainer_thread:

@@ -44,7 +44,7 @@ class Route:
 class ReplicaRouter:
     def __init__(self, replicas: int, max_entries: int) -> None:
         self.replicas = replicas
-        self.max_entries = max_entries
+        self.max_entries = max_entries if replicas > 1 else 0  # (one replica: nothing to choose, remember)
         self.in_flight = [0] * replicas  # sequences being generated, per replica
         self.served = [0] * replicas  # requests sent, per replica
         self._epoch = [0] * replicas  # bumped when a replica restarts: its prefix cache is empty
@@ -57,16 +57,19 @@ class ReplicaRouter:
         """The replica for a request of `sequences` sequences, among `eligible` (non-empty) replicas."""
         if not eligible:
             raise ValueError("no eligible replica")
-        prefix = [0]  # prefix[k] = hash of prompt_ids[:k]
-        for token in prompt_ids:
-            prefix.append((prefix[-1] * _BASE + token + 1) % _MOD)
-        replica = self._affine(prefix, eligible)
-        affine = replica is not None
+        replica, affine, prompt_hash = None, False, 0
+        if self.max_entries:  # (remembering nothing, no prefix can be found: no hashing)
+            prefix = [0]  # prefix[k] = hash of prompt_ids[:k]
+            for token in prompt_ids:
+                prefix.append((prefix[-1] * _BASE + token + 1) % _MOD)
+            prompt_hash = prefix[-1]
+            replica = self._affine(prefix, eligible)
+            affine = replica is not None
         if replica is None:
             replica = self._least_loaded(eligible)
         self.in_flight[replica] += sequences
         self.served[replica] += 1
-        return Route(replica, sequences, prefix[-1], len(prompt_ids), affine, self._epoch[replica])
+        return Route(replica, sequences, prompt_hash, len(prompt_ids), affine, self._epoch[replica])
 
     def done(self, route: Route, completions: Sequence[Sequence[int]] = ()) -> None:
         """The request ended (once; later calls are ignored); `completions` are the sampled ids it served
