@@ -137,10 +137,11 @@ SUMMARY_HEADER = (
 
 
 def short_machine() -> str:
-    """`2-core AMD EPYC 9R14`: the summary table's machine cell."""
+    """`2-core AMD EPYC 9R14`: the summary table's machine cell (the machine's cores, even where this process
+    was pinned to fewer: see pin_away_from)."""
     info = machine_info()
     cpu = re.sub(r"\s*\(R\)|\s*\(TM\)|\s+\d+-Core|\s+Processor|\s+CPU\b.*", "", info["cpu"]).strip()
-    return f"{info['nproc']}-core {cpu}"
+    return f"{os.cpu_count() or info['nproc']}-core {cpu}"
 
 
 def git_commit() -> str:
