@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 CUT = "cut"  # 200, one streamed token, then the connection drops (the body is shorter than it said)
 SILENT = "silent"  # 200, then nothing until the client goes away (`opened`, then `closed`, are set)
+DROP = "drop"  # no answer: the connection is closed once the request is read (a keep-alive ending as it came)
 
 
 @dataclass
@@ -21,7 +22,7 @@ class Answer:
 
 
 class ScriptedVLLM:
-    """Answers POSTs with `answers` in order (an Answer, CUT or SILENT; the last one is repeated); records
+    """Answers POSTs with `answers` in order (an Answer, CUT, SILENT or DROP; the last one is repeated); records
     each request's JSON body in `bodies` and its connection in `connections`. `down()` closes its port: a request then cannot connect."""
 
     def __init__(self, *answers: Answer | str, first_token: bytes = b"") -> None:
@@ -39,6 +40,9 @@ class ScriptedVLLM:
                 fake.bodies.append(json.loads(raw))
                 fake.connections.append(self.client_address[1])
                 answer = fake.answers.pop(0) if len(fake.answers) > 1 else fake.answers[0]
+                if answer == DROP:
+                    self.close_connection = True
+                    return
                 if isinstance(answer, Answer):
                     self.send_response(answer.status)
                     self.send_header("Content-Length", str(len(answer.body)))

@@ -5,6 +5,7 @@ user already runs. The engine-agnostic gateway and capture suites run against vL
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import openai
 import pytest
 import torch
 from fakes import sse
-from scripted_vllm import SILENT, Answer, ScriptedVLLM
+from scripted_vllm import DROP, SILENT, Answer, ScriptedVLLM
 from tolerances import assert_logprobs_close
 
 import artrl
@@ -161,6 +162,43 @@ async def test_streams_of_many_tokens_a_chunk_and_kept_alive_connections():
             await asyncio.sleep(0.01)
     assert [b["stream_interval"] for b in server.bodies] == [VLLMConfig().stream_interval] * 3
     assert len(set(server.connections)) == 1  # read to its end, each stream left its connection reusable
+    await engine.close()
+    server.stop()
+
+
+async def test_the_kept_alive_connections_of_an_ended_event_loop_are_dropped_quietly(caplog):
+    """A sync caller runs each request in its own `asyncio.run`: the next loop's request drops the ended
+    loop's session, whose kept-alive connection must not be reported as "Unclosed connector"."""
+    engine, server = fake_vllm_engine(Answer(200, sse(choice(0, [4, 2], "stop"))))
+
+    async def one() -> list[int]:
+        (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
+        tokens = await collect(stream)
+        while engine._tasks:  # (its stream read to the end: the connection stays in the pool)
+            await asyncio.sleep(0.01)
+        return tokens
+
+    assert await asyncio.to_thread(lambda: [asyncio.run(one()) for _ in range(3)]) == [[4, 2]] * 3
+    assert await one() == [4, 2]  # (drops the last ended loop's session)
+    await engine.close()
+    server.stop()
+    gc.collect()
+    assert not [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()]
+
+
+async def test_a_request_the_server_dropped_unanswered_is_sent_once_more():
+    """A kept-alive connection that the server closes as a request goes out: vLLM got nothing, so the request
+    is sent again (once); a second drop is the replica's failure."""
+    engine, server = fake_vllm_engine(DROP, Answer(200, sse(choice(0, [4, 2], "stop"))))
+    (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
+    assert await collect(stream) == [4, 2] and len(server.bodies) == 2
+    await engine.close()
+    server.stop()
+    engine, server = fake_vllm_engine(DROP)
+    (stream,) = engine.generate([1], SamplingParams(max_tokens=5), n=1)
+    with pytest.raises(EngineError, match="ServerDisconnected"):
+        await collect(stream)
+    assert len(server.bodies) == 2
     await engine.close()
     server.stop()
 

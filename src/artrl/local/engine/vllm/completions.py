@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -153,16 +152,20 @@ def open_session(connect_timeout_s: float) -> aiohttp.ClientSession:
 
 
 def forget_session(session: aiohttp.ClientSession) -> None:
-    """Drop the session of an event loop that ended (nothing can be awaited on it any more): marked closed,
-    so that it says nothing when collected; its sockets close with it."""
+    """Drop the session of an event loop that ended (nothing can be awaited on it any more): its connector
+    marked closed, so that it does not log "Unclosed connector" when collected; its sockets go with it."""
     connector = session.connector
     session.detach()
-    if connector is not None:
-        with (
-            warnings.catch_warnings()
-        ):  # (close() on an ended loop only marks it closed; its waiter is dropped)
-            warnings.simplefilter("ignore")
-            connector.close()
+    if connector is None:
+        return
+    closing = connector.close()  # (a coroutine: on an ended loop it marks the connector closed and returns)
+    if not asyncio.iscoroutine(closing):
+        return
+    try:
+        closing.send(None)
+    except StopIteration:
+        return
+    closing.close()  # (it waited for something: nothing can run it now)
 
 
 async def read_completion_stream(
