@@ -107,9 +107,11 @@ class VLLMConfig(_Frozen):
         default=16,
         ge=1,
         description="tokens per streamed chunk that the gateway asks vLLM for (vLLM's per-request "
-        "stream_interval, >= 0.32; older servers send one a token): the first and last chunks come at once, so "
-        "a call's latency is unchanged, while reading the stream costs the gateway's CPU per chunk, not per "
-        "token. 1 = a chunk a token (a streaming client of the gateway then sees every token as vLLM makes it)",
+        "stream_interval, >= 0.32; older servers ignore it, logging that they did): reading vLLM's stream costs "
+        "the gateway CPU per chunk, not per token. The first and last chunks come at once, so a call that runs "
+        "to its end takes as long; one the gateway ends itself (a stop string, parallel_tool_calls=false) lets "
+        "vLLM run up to this many tokens past its stop. 1 = the server's own interval (one token a chunk unless "
+        "it was started with a larger --stream-interval)",
     )
     extra_args: tuple[str, ...] = Field(default=(), description="more vLLM server arguments, passed as given")
     env: dict[str, str] = Field(

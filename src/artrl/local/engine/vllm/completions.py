@@ -25,9 +25,9 @@ _STREAM_END_S = 1.0  # a stream whose every choice finished gets this long to en
 # a kept-alive connection unused this long is closed: below the 5 s after which vLLM's server (uvicorn) closes
 # it, so that a request is rarely sent on a connection the server is closing (the one retry covers the rest)
 _KEEP_ALIVE_S = 2.0
-_LINE_BYTES = (
-    1 << 20
-)  # aiohttp's read buffer: an SSE line (a chunk of many tokens with their top logprobs) fits
+# aiohttp refuses a line over twice its read buffer: vLLM's API server merges the chunks it could not send yet,
+# so one SSE line may hold a whole long completion with its top logprobs (~0.6 KB a token at 20)
+_LINE_BYTES = 1 << 26
 
 
 class ReplicaFailure(EngineError):
@@ -148,12 +148,14 @@ def open_session(connect_timeout_s: float) -> aiohttp.ClientSession:
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEP_ALIVE_S),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
         read_bufsize=_LINE_BYTES,
+        trust_env=True,  # (proxies from the environment, NO_PROXY included, as httpx and the other clients)
     )
 
 
 def forget_session(session: aiohttp.ClientSession) -> None:
     """Drop the session of an event loop that ended (nothing can be awaited on it any more): its connector
-    marked closed, so that it does not log "Unclosed connector" when collected; its sockets go with it."""
+    marked closed, so that it does not log "Unclosed connector" when collected; its kept-alive sockets close
+    when they are collected."""
     connector = session.connector
     session.detach()
     if connector is None:
@@ -190,9 +192,10 @@ async def read_completion_stream(
         await _read_stream(
             client, timeout_s, replica, url, body, tokens_of, top_k, fan_out, streams, ended, sampled
         )
-    except TimeoutError:
+    except Exception:
         if not all(ended):
             raise
+        # (every choice had finished: what failed is the stream's end, after the answer was whole)
     if not all(ended[i] or streams[i].aborted for i in range(len(streams))):
         raise ReplicaFailure(f"{replica.name()}: vLLM's stream ended without a finish reason")
 
@@ -262,4 +265,5 @@ async def _read_stream(
                     # what follows is `data: [DONE]`, at once: read to the end, so that the connection goes
                     # back to the pool (closed with the body unread, every request would open a new one)
                     finished = True
-                    deadline.reschedule(asyncio.get_running_loop().time() + _STREAM_END_S)
+                    end_by = asyncio.get_running_loop().time() + _STREAM_END_S
+                    deadline.reschedule(min(end_by, deadline.when() or end_by))

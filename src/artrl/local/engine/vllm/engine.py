@@ -220,7 +220,7 @@ class VLLMEngine:
         try:
             while not reader.done():
                 await asyncio.wait([reader], timeout=_ABORT_POLL_S)
-                if not reader.done() and all(s.aborted for s in streams):
+                if not reader.done() and not all(ended) and all(s.aborted for s in streams):
                     reader.cancel()
                     await asyncio.wait([reader])
                     for i, stream in enumerate(streams):
