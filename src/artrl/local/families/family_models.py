@@ -259,7 +259,7 @@ def _corpus_text(template: str, spec: FamilySpec, conv: dict[str, Any]) -> str:
 
 
 def build_family_model(
-    out_dir: str | os.PathLike[str], family: str, *, steps: int = 150, seed: int = 0
+    out_dir: str | os.PathLike[str], family: str, *, steps: int = 200, seed: int = 0
 ) -> Path:
     """Build the tiny `family` model folder at `out_dir` (see FAMILY_MODELS), deterministically."""
     import trl.chat_template_utils as trl_templates
