@@ -175,6 +175,7 @@ FIXTURE_TOOLS: list[dict[str, Any]] = [
         },
     },
 ]
+FIT_TOKENS_PER_MICROBATCH = 4096  # padded tokens (rows x longest) of one micro-batch of the fixture fit
 _WORDS = ("apple", "pear", "stock", "north", "paris", "tokyo", "secret", "price", "door", "maze")
 
 
@@ -207,7 +208,7 @@ def fixture_conversation(rng: random.Random, spec: FamilySpec, index: int) -> di
         }
         message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
         if thinking and (
-            spec.always_reasons or rng.random() < 0.7
+            spec.always_reasons or rng.random() < 0.85
         ):  # sometimes a call without reasoning (as a forced tool_choice makes)
             message["reasoning_content"] = f"I should call {tool}."
         messages += [message, {"role": "tool", "tool_call_id": call_id, "content": result}]
@@ -259,7 +260,7 @@ def _corpus_text(template: str, spec: FamilySpec, conv: dict[str, Any]) -> str:
 
 
 def build_family_model(
-    out_dir: str | os.PathLike[str], family: str, *, steps: int = 200, seed: int = 0
+    out_dir: str | os.PathLike[str], family: str, *, steps: int = 300, seed: int = 0
 ) -> Path:
     """Build the tiny `family` model folder at `out_dir` (see FAMILY_MODELS), deterministically."""
     import trl.chat_template_utils as trl_templates
@@ -308,31 +309,41 @@ def build_family_model(
 
 
 def _fit(model, rows, steps: int, pad_id: int, seed: int, batch: int = 16, lr: float = 3e-3) -> None:
-    """Full fine-tuning on the rows' trained tokens (mask 1): next-token cross-entropy."""
+    """Full fine-tuning on the rows' trained tokens (mask 1): per step the token-mean NLL of `batch` random
+    rows, through the trainer's own pieces: micro-batches of rows of like length, causal attention without a
+    mask, the prompt the rows share (the tools) computed once, the head only at trained positions, fused RMS
+    norms. About 0.4x the time per step of the whole batch through the model's forward (padded to its longest
+    row, the head over every position): the seven fixtures 165 s on one core at 300 steps, 259 s at 200."""
     import torch
+
+    from artrl.local.train.fused_norm import FusedNormTraining
+    from artrl.local.train.logprobs import head_is_the_models, shares_prefixes, token_logprobs
+    from artrl.local.train.loss import sft_loss
+    from artrl.local.train.pack import collate, pack, pack_by_prompt, shared_prompt
 
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # lr decayed linearly to a tenth: the fixtures' decisions (which tool, whether to reason) settle rather
+    # than ride the last steps' noise, so another CPU's float order does not flip one
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 - 0.9 * k / max(1, steps))
+    via_forward = not head_is_the_models(model)
+    sharing = shares_prefixes(model) and not via_forward  # (each step's rows share the tools' prompt)
+    norms = FusedNormTraining.of(model)
+    if norms is not None:
+        norms.fuse()
     model.train()
     for _ in range(steps):
         chosen = rng.sample(rows, min(batch, len(rows)))
-        width = max(len(r.ids) for r in chosen)
-        ids = torch.full((len(chosen), width), pad_id)
-        mask = torch.zeros((len(chosen), width))
-        for k, row in enumerate(chosen):
-            ids[k, : len(row.ids)] = torch.tensor(row.ids)
-            mask[k, : len(row.ids)] = torch.tensor(row.mask, dtype=torch.float)
-        attention = (
-            torch.arange(width)[None, :] < torch.tensor([len(r.ids) for r in chosen])[:, None]
-        ).long()
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # (B, T-1, V)
-        loss_each = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        ).view(len(chosen), -1)  # (B, T-1)
-        target_mask = mask[:, 1:]  # (B, T-1)
-        loss = (loss_each * target_mask).sum() / target_mask.sum().clamp(min=1)
-        loss.backward()
+        normaliser = max(1, sum(r.trainable_tokens - r.mask[0] for r in chosen))  # targets: positions 1..
+        for micro in (pack_by_prompt if sharing else pack)(chosen, FIT_TOKENS_PER_MICROBATCH):
+            part = [chosen[i] for i in micro]
+            mb = collate(part, model.device, pad_id, shared_prompt(part) if sharing else 0)
+            lp, _ = token_logprobs(model, mb, None, with_entropy=False, via_forward=via_forward)  # (B, T-1)
+            sft_loss(lp, mb.mask, mb.weights, normaliser).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
+    if norms is not None:
+        norms.restore()
     model.eval()
