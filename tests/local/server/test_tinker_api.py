@@ -4,6 +4,7 @@ optim_step) whose loss falls, forward that changes nothing, and refusals in the 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -53,10 +54,24 @@ def tinker_server(base_dir, tinker_folder):
     process.wait(60)
 
 
-def training_client(tinker, url: str, base: Path):
+@pytest.fixture
+def services(tinker_server, monkeypatch):
+    """`services(api_key=KEY)`: a tinker.ServiceClient of the server, closed when the test ends (an open one's
+    session heartbeat goes on failing against the stopped server, minutes after the module's tests)."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    import tinker
+
+    with contextlib.ExitStack() as opened:  # (each client's own exit: its session finished, then closed)
+
+        def service(api_key: str = KEY):
+            return opened.enter_context(tinker.ServiceClient(base_url=tinker_server, api_key=api_key))
+
+        yield service
+
+
+def training_client(services, base: Path):
     """A rank-8 LoRA training client of the server's base, for the tenant's key."""
-    service = tinker.ServiceClient(base_url=url, api_key=KEY)
-    return service.create_lora_training_client(base_model=str(base), rank=8).result()
+    return services().create_lora_training_client(base_model=str(base), rank=8).result()
 
 
 def sentence_datum(tinker, tokenizer):
@@ -72,13 +87,11 @@ def sentence_datum(tinker, tokenizer):
     ), len(tokens) - 1
 
 
-def test_a_supervised_loop_through_the_sdk_lowers_the_loss(
-    tinker_server, base_dir, tinker_folder, monkeypatch
-):
+def test_a_supervised_loop_through_the_sdk_lowers_the_loss(services, base_dir, tinker_folder, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+    service = services()
     training = service.create_lora_training_client(base_model=str(base_dir), rank=8).result()
     assert training.get_info().lora_rank == 8
     datum, n = sentence_datum(tinker, training.get_tokenizer())
@@ -111,14 +124,14 @@ def test_a_supervised_loop_through_the_sdk_lowers_the_loss(
     assert "loss_sum" in shown and len([line for line in shown.splitlines() if "tinker" in line]) >= 8
 
 
-def test_refusals_come_back_as_the_sdks_errors(tinker_server, base_dir, monkeypatch):
+def test_refusals_come_back_as_the_sdks_errors(services, base_dir, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    wrong = tinker.ServiceClient(base_url=tinker_server, api_key="tml-not-a-tenant-key-000")
+    wrong = services("tml-not-a-tenant-key-000")
     with pytest.raises(tinker.AuthenticationError):
         wrong.create_lora_training_client(base_model=str(base_dir), rank=8).result()
-    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+    service = services()
     with pytest.raises(tinker.RequestFailedError, match="trains LoRA adapters of"):
         service.create_lora_training_client(base_model="Qwen/Qwen3-4B", rank=8).result()
     training = service.create_lora_training_client(base_model=str(base_dir), rank=8).result()
@@ -146,13 +159,13 @@ def test_refusals_come_back_as_the_sdks_errors(tinker_server, base_dir, monkeypa
     assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0  # (still serving)
 
 
-def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, base_dir, monkeypatch):
+def test_save_state_then_load_state_resumes_bit_for_bit(services, base_dir, monkeypatch):
     """A step from a saved state, then the state loaded back (with its optimizer) and the same step again:
     the same loss after it, exactly; the weights alone (load_state) give the saved state's loss back."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    training = training_client(tinker, tinker_server, base_dir)
+    training = training_client(services, base_dir)
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
     adam = tinker.types.AdamParams(learning_rate=2e-2)
 
@@ -173,7 +186,7 @@ def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, base_dir,
     assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] == at_save
     sampler = training.save_weights_for_sampler("s1").result().path
     assert sampler.endswith("/sampler_weights/s1")
-    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
+    service = services()
     resumed = service.create_training_client_from_state_with_optimizer(saved).result()
     assert resumed.get_info().lora_rank == 8
     assert resumed.forward([datum], "cross_entropy").result().metrics["loss:sum"] == at_save
@@ -185,13 +198,13 @@ def test_save_state_then_load_state_resumes_bit_for_bit(tinker_server, base_dir,
         training.load_state("tinker://elsewhere/weights").result()
 
 
-def test_a_custom_loss_trains_through_cross_entropy(tinker_server, base_dir, monkeypatch):
+def test_a_custom_loss_trains_through_cross_entropy(services, base_dir, monkeypatch):
     """forward_backward_custom runs the loss on the client and sends its gradients as cross_entropy weights:
     the negative log-likelihood as a custom loss falls as cross_entropy does."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import tinker
 
-    training = training_client(tinker, tinker_server, base_dir)
+    training = training_client(services, base_dir)
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
 
     def nll(data, logprobs):
@@ -205,7 +218,7 @@ def test_a_custom_loss_trains_through_cross_entropy(tinker_server, base_dir, mon
     assert training.forward([datum], "cross_entropy").result().metrics["loss:sum"] < before
 
 
-def test_an_rl_loop_through_the_sdk_raises_the_reward(tinker_server, base_dir, monkeypatch):
+def test_an_rl_loop_through_the_sdk_raises_the_reward(services, base_dir, monkeypatch):
     """The cookbook's RL loop's calls on a toy task: save_weights_and_get_sampling_client, sample 16 next
     tokens (the SDK's protobuf answer, each with its sampled logprob: the trainer's own), importance_sampling
     with group-centred rewards as advantages, optim_step; the next sampling client samples the trained weights,
@@ -213,10 +226,9 @@ def test_an_rl_loop_through_the_sdk_raises_the_reward(tinker_server, base_dir, m
     equally often); the reward is 1 for four of them."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     import numpy as np
-    import tinker
     from tinker import types
 
-    training = training_client(tinker, tinker_server, base_dir)
+    training = training_client(services, base_dir)
     prompt = training.get_tokenizer().encode("Count with me: one, two, three,")
     liked, other = [101, 202, 303, 404], [505, 606, 707, 808]
 
@@ -262,7 +274,7 @@ def test_an_rl_loop_through_the_sdk_raises_the_reward(tinker_server, base_dir, m
 
 
 def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
-    tinker_server, base_dir, monkeypatch
+    tinker_server, base_dir, monkeypatch, services
 ):
     """create_sampling_client(model_path=...) samples the weights as saved, however the training client goes
     on; create_sampling_client(base_model=...) samples the base (the logprobs of an untrained LoRA)."""
@@ -270,8 +282,8 @@ def test_saved_weights_and_the_base_model_sample_through_their_own_clients(
     import tinker
     from tinker import types
 
-    service = tinker.ServiceClient(base_url=tinker_server, api_key=KEY)
-    training = training_client(tinker, tinker_server, base_dir)
+    service = services()
+    training = training_client(services, base_dir)
     datum, _ = sentence_datum(tinker, training.get_tokenizer())
     prompt = types.ModelInput.from_ints(datum.model_input.to_ints())
     untrained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()

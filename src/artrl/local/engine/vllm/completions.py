@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -38,10 +39,8 @@ class ModelNotFound(EngineError):
     """A replica answered 404: it does not serve the model asked for (for an adapter: it lost it)."""
 
 
-def generate_request(
-    model: str, prompt_ids: list[int], params: SamplingParams, n: int, stream_interval: int = 1
-) -> dict[str, Any]:
-    """The body of a streamed /inference/v1/generate request (`stream_interval`: tokens per chunk)."""
+def _sampling(params: SamplingParams, n: int, stream_interval: int) -> dict[str, Any]:
+    """The sampling settings both wires take, the same way."""
     sampling: dict[str, Any] = {
         "n": n,
         "max_tokens": params.max_tokens,
@@ -51,12 +50,19 @@ def generate_request(
         "stop_token_ids": sorted(params.stop_token_ids),
         "ignore_eos": True,  # only the gateway's stop ids end a turn
         "skip_special_tokens": False,
-        "detokenize": False,
     }
     if stream_interval > 1:  # (vLLM >= 0.32; an older server ignores it)
         sampling["stream_interval"] = stream_interval
     if params.seed is not None:
         sampling["seed"] = params.seed
+    return sampling
+
+
+def generate_request(
+    model: str, prompt_ids: list[int], params: SamplingParams, n: int, stream_interval: int = 1
+) -> dict[str, Any]:
+    """The body of a streamed /inference/v1/generate request (`stream_interval`: tokens per chunk)."""
+    sampling = _sampling(params, n, stream_interval) | {"detokenize": False}
     return {
         "model": model,
         "token_ids": list(prompt_ids),
@@ -87,27 +93,15 @@ def completion_request(
     model: str, prompt_ids: list[int], params: SamplingParams, n: int, stream_interval: int = 1
 ) -> dict[str, Any]:
     """The body of a token-in /v1/completions request (streamed; `stream_interval`: tokens per chunk)."""
-    body: dict[str, Any] = {
+    return {
         "model": model,
         "prompt": list(prompt_ids),
-        "n": n,
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "logprobs": params.top_logprobs,  # the sampled token's logprob always; k alternatives besides
+        **_sampling(params, n, stream_interval),
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
-        "stop_token_ids": sorted(params.stop_token_ids),
-        "ignore_eos": True,  # only the gateway's stop ids end a turn
-        "skip_special_tokens": False,
         "detokenize": True,
         "stream": True,
     }
-    if stream_interval > 1:  # (vLLM >= 0.32; an older server ignores it)
-        body["stream_interval"] = stream_interval
-    if params.seed is not None:
-        body["seed"] = params.seed
-    return body
 
 
 def _token_id(text: str) -> int:
@@ -185,13 +179,10 @@ async def read_completion_stream(
     another replica may do better (a stream that ends with no finish reason among them)."""
     path, _, tokens_of = WIRES[wire]
     settings = body.get("sampling_params", body)
-    top_k = settings["logprobs"]
-    fan_out = settings["n"] < len(streams)  # greedy: choice 0 feeds every stream
-    url = f"{replica.base_url}{path}"
+    # (greedy: choice 0 feeds every stream)
+    into = _Choices(tokens_of, settings["logprobs"], settings["n"] < len(streams), streams, ended, sampled)
     try:
-        await _read_stream(
-            client, timeout_s, replica, url, body, tokens_of, top_k, fan_out, streams, ended, sampled
-        )
+        await _read_stream(client, timeout_s, replica, f"{replica.base_url}{path}", body, into)
     except Exception:
         if not all(ended):
             raise
@@ -213,18 +204,42 @@ async def _post(
         return await client.post(url, json=body, headers=headers)
 
 
+@dataclass
+class _Choices:
+    """Where one response's choices go: each choice's new tokens into its stream (every stream, fanned out),
+    and their ids into `sampled`; `ended[i]` once stream i has its finish reason."""
+
+    tokens_of: Callable[[dict[str, Any], int], list[TokenChoice]]
+    top_k: int
+    fan_out: bool
+    streams: list[SequenceStream]
+    ended: list[bool]
+    sampled: list[list[int]]
+
+    def take(self, replica: Replica, choice: dict[str, Any]) -> None:
+        targets = range(len(self.streams)) if self.fan_out else [choice["index"]]
+        tokens = self.tokens_of(choice, self.top_k)
+        reason = choice.get("finish_reason")
+        if reason == "abort":  # not ours (ours close the connection): a shutdown or pause
+            raise ReplicaFailure(f"{replica.name()} aborted the request (its server is stopping or paused)")
+        for i in targets:
+            if self.ended[i] or self.streams[i].aborted:
+                continue
+            for token in tokens:
+                self.streams[i].push(token)
+                self.sampled[i].append(token.token_id)
+            if reason is not None:
+                self.ended[i] = True
+                self.streams[i].end("length" if reason == "length" else "stop")
+
+
 async def _read_stream(
     client: aiohttp.ClientSession,
     timeout_s: float,
     replica: Replica,
     url: str,
     body: dict[str, Any],
-    tokens_of: Callable[[dict[str, Any], int], list[TokenChoice]],
-    top_k: int,
-    fan_out: bool,
-    streams: list[SequenceStream],
-    ended: list[bool],
-    sampled: list[list[int]],
+    into: _Choices,
 ) -> None:
     async with asyncio.timeout(timeout_s) as deadline:
         async with await _post(client, url, body, replica.headers) as response:
@@ -245,23 +260,8 @@ async def _read_stream(
                     where = f" (its log: {server.log_path})" if server else ""
                     raise ReplicaFailure(f"{replica.name()} failed mid-stream{where}: {chunk['error']}")
                 for choice in chunk.get("choices", []):
-                    targets = range(len(streams)) if fan_out else [choice["index"]]
-                    tokens = tokens_of(choice, top_k)
-                    reason = choice.get("finish_reason")
-                    if reason == "abort":  # not ours (ours close the connection): a shutdown or pause
-                        raise ReplicaFailure(
-                            f"{replica.name()} aborted the request (its server is stopping or paused)"
-                        )
-                    for i in targets:
-                        if ended[i] or streams[i].aborted:
-                            continue
-                        for token in tokens:
-                            streams[i].push(token)
-                            sampled[i].append(token.token_id)
-                        if reason is not None:
-                            ended[i] = True
-                            streams[i].end("length" if reason == "length" else "stop")
-                if all(ended) and not finished:
+                    into.take(replica, choice)
+                if all(into.ended) and not finished:
                     # what follows is `data: [DONE]`, at once: read to the end, so that the connection goes
                     # back to the pool (closed with the body unread, every request would open a new one)
                     finished = True
