@@ -108,8 +108,15 @@ async def test_closing_the_engine_ends_everything_queued_behind_the_close(hf_mod
     from artrl.local.engine.hf.sequences import Request, RunningSequence
 
     engine = HFEngine(hf_model, max_context=2048, config=EngineConfig())
-    release = threading.Event()
-    busy = engine.call(release.wait)  # the engine thread is inside a job (a training step, say)
+    started, release = threading.Event(), threading.Event()
+
+    def job() -> bool:
+        started.set()
+        return release.wait()
+
+    busy = engine.call(job)  # the engine thread is inside a job (a training step, say)
+    # (once it is: a job still queued when the close comes is ended with the rest, as a loaded CI machine showed)
+    assert await asyncio.to_thread(started.wait, 30)
     closing = asyncio.create_task(engine.close())
     await asyncio.sleep(0.1)
     late_job = _Job(lambda: 1, Future())
