@@ -157,8 +157,8 @@ def test_the_recipe_learns(tmp_path, demo_models):
     signal. The warm start, and so the pace of learning, depends on the CPU's float order (its 2,560 SFT
     steps): on a 2-core Intel Xeon with one thread, as in CI, it starts at 0.04-0.06 and gained +0.19 and
     +0.23 by step 16 (48 questions; the first failed +0.20), +0.20 twice by step 20 and +0.21, +0.25 by step 24
-    (64 questions, from the same warm start); on an AMD EPYC
-    CI gained +0.42-0.44 by step 16. One standard error on 64 questions is <= 0.06."""
+    (64 questions, from the same warm start); on an AMD EPYC CI gained +0.42-0.44 by step 16. One standard
+    error on 64 questions is <= 0.06."""
     summary = tmp_path / "summary.json"
     with demo_models(tmp_path / "artrl", "email"):  # the stand-in and the warm start, built once a session
         done = subprocess.run(
