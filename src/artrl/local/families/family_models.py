@@ -320,6 +320,7 @@ def _fit(model, rows, steps: int, pad_id: int, seed: int, batch: int = 16, lr: f
     from artrl.local.train.logprobs import head_is_the_models, shares_prefixes, token_logprobs
     from artrl.local.train.loss import sft_loss
     from artrl.local.train.pack import collate, pack, pack_by_prompt, shared_prompt
+    from artrl.local.train.rows import trained_targets
 
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -334,7 +335,7 @@ def _fit(model, rows, steps: int, pad_id: int, seed: int, batch: int = 16, lr: f
     model.train()
     for _ in range(steps):
         chosen = rng.sample(rows, min(batch, len(rows)))
-        normaliser = max(1, sum(r.trainable_tokens - r.mask[0] for r in chosen))  # targets: positions 1..
+        normaliser = max(1.0, trained_targets(chosen))
         for micro in (pack_by_prompt if sharing else pack)(chosen, FIT_TOKENS_PER_MICROBATCH):
             part = [chosen[i] for i in micro]
             mb = collate(part, model.device, pad_id, shared_prompt(part) if sharing else 0)

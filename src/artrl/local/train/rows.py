@@ -53,6 +53,12 @@ class Row:
         return sum(self.mask)
 
 
+def trained_targets(rows: list[Row]) -> float:
+    """N: the weighted count of trained target tokens of one optimizer step (targets are positions 1..): the
+    normaliser of its token-mean losses."""
+    return sum(r.weight * (r.trainable_tokens - r.mask[0]) for r in rows)
+
+
 def _recorded(choice: Choice) -> tuple[list[int], list[int], list[float]] | None:
     extra = choice.model_extra or {}
     prompt, sampled, logprobs = (

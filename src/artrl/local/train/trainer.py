@@ -26,7 +26,7 @@ from artrl.local.train.loss import LossTerms, policy_loss, sft_loss
 from artrl.local.train.pack import MicroBatch, collate, pack, pack_by_prompt, shared_prompt
 from artrl.local.train.progress import TrainProgress
 from artrl.local.train.rollback import CallStart
-from artrl.local.train.rows import NO_LOGPROB, Row
+from artrl.local.train.rows import NO_LOGPROB, Row, trained_targets
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,6 @@ def _record_logprobs(
         n = len(batch.rows[i].ids)
         batch.trainer_logprobs[i] = [None] + [values[b][t] if mask[b][t] else None for t in range(n - 1)]
         batch.before_update[i] = before_update
-
-
-def _normaliser(rows: list[Row]) -> float:
-    """N: the weighted count of trained target tokens of one optimizer step (targets are positions 1..)."""
-    return sum(r.weight * (r.trainable_tokens - r.mask[0]) for r in rows)
 
 
 @dataclass
@@ -206,7 +201,7 @@ class Trainer:
             for k, rows in enumerate(slices):
                 if not rows:
                     continue
-                normaliser = _normaliser(rows)  # (of all the slice's rows: every rank sees them all)
+                normaliser = trained_targets(rows)  # (of all the slice's rows: every rank sees them all)
                 for micro in self._micro_batches(rows, config):
                     if not micro:
                         self._idle_pass(rows, config.logprob_chunk_size, config.kl_coef > 0)
@@ -245,7 +240,7 @@ class Trainer:
         try:
             self._begin(config)
             for rows in filter(None, steps):
-                normaliser = _normaliser(rows)
+                normaliser = trained_targets(rows)
                 step_loss = 0.0
                 for micro in self._micro_batches(rows, config):
                     if not micro:
