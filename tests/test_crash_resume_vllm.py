@@ -37,6 +37,7 @@ class Life:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},  # vLLM's default: three processes
         )
         self.timer = threading.Timer(LIFE_TIMEOUT_S, self.process.kill)  # a hung life fails, never hangs CI
         self.timer.start()
