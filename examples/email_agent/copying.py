@@ -84,6 +84,15 @@ def _schema(name: str, description: str, args: tuple[str, ...]) -> dict:
     }
 
 
+# One set of tools for every conversation (the kind of thing is in the question and the query): every row of
+# a step starts with the same prompt, computed once per micro-batch by the trainer
+TOOLS = [
+    _schema("find_record", "Find records.", ("query",)),
+    _schema("open_record", "Open a record.", ("ref",)),
+    _schema("report", "Report a value.", ("value", "ref")),
+]
+
+
 def _date(rng: random.Random) -> str:
     return f"20{rng.randrange(100):02d}-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}"
 
@@ -95,11 +104,6 @@ def conversation(rng: random.Random, index: int) -> artrl.Trajectory:
     that key at different dates and the one to open is the record of the question's date; else the lookup
     lists records of different names and the one to open is the record of the key's name."""
     thing, field = rng.choice(THINGS), rng.choice(FIELDS)
-    tools = [
-        _schema(f"find_{thing}", f"Find a {thing}.", ("query",)),
-        _schema(f"open_{thing}", f"Open a {thing}.", ("ref",)),
-        _schema("report", "Report a value.", ("value", "ref")),
-    ]
     key, date = random_value(rng), _date(rng)
     form = rng.randrange(4)
     n = rng.randrange(2, 4) if form in (1, 2) else rng.randrange(1, 4)
@@ -135,13 +139,13 @@ def conversation(rng: random.Random, index: int) -> artrl.Trajectory:
 
     messages: list = [
         {"role": "user", "content": question},
-        call(0, f"find_{thing}", {"query": f"{thing} {key}"}),
+        call(0, "find_record", {"query": f"{thing} {key}"}),
         result(0, listed),
-        call(1, f"open_{thing}", {"ref": ref}),
+        call(1, "open_record", {"ref": ref}),
         result(1, {"ref": ref, "text": text}),
         call(2, "report", {"value": f"is {values[field]}", "ref": ref}),
     ]
-    return artrl.Trajectory(messages_and_choices=messages, tools=tools)
+    return artrl.Trajectory(messages_and_choices=messages, tools=TOOLS)
 
 
 def corpus(n: int, seed: int = 0) -> list[artrl.Trajectory]:

@@ -165,6 +165,13 @@ class SFTConfig(_Frozen):
     """
 
     learning_rate: float = Field(default=1e-3, gt=0)
+    final_lr_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="the learning rate of the call's last optimizer step as a fraction of learning_rate, reached "
+        "linearly from learning_rate at its first (1.0: constant)",
+    )
     epochs: int = Field(default=1, ge=1)
     batch_size: int = Field(default=16, ge=1, description="trajectories per optimizer step")
     betas: tuple[float, float] = (0.9, 0.999)

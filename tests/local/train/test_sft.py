@@ -90,3 +90,39 @@ async def test_warm_started_tiny_model_calls_the_tool(tiny_model_dir, tmp_path):
             choice = response.choices[0]
             assert choice.finish_reason == "tool_calls"
             assert choice.message.tool_calls[0].function.arguments == f'{{"item": "{item}"}}'
+
+
+def test_final_lr_fraction_decays_the_learning_rate_linearly_over_the_call(tiny_model_dir):
+    """SFTConfig(final_lr_fraction=f): the first optimizer step at learning_rate, the last at f of it, linear
+    between (an empty step keeps its place); the default is constant. The next call starts again from the
+    top."""
+    from transformers import AutoModelForCausalLM
+
+    from artrl.local.train.rows import Row
+    from artrl.local.train.trainer import Trainer
+
+    class RecordingTrainer(Trainer):  # the learning rate each optimizer step ran with
+        lrs: list[float]
+
+        def _optimizer_step(self, max_grad_norm):
+            self.lrs.append(self.optimizer.param_groups[0]["lr"])
+            return super()._optimizer_step(max_grad_norm)
+
+    trainer = RecordingTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), pad_id=0)
+    rng = random.Random(0)
+
+    def rows() -> list[Row]:
+        ids = [rng.randrange(2048) for _ in range(12)]
+        return [Row(ids=ids, mask=[0] * 6 + [1] * 6, logprobs=[float("nan")] * 12)]
+
+    steps = [rows(), rows(), [], rows(), rows(), rows()]
+    for fraction, expected in (
+        (0.1, [1.0, 0.82, 0.46, 0.28, 0.1]),
+        (1.0, [1.0] * 5),
+        (0.5, [1.0, 0.9, 0.7, 0.6, 0.5]),
+    ):
+        trainer.lrs = []
+        trainer.sft(steps, artrl.SFTConfig(learning_rate=2e-3, final_lr_fraction=fraction))
+        assert trainer.lrs == pytest.approx([2e-3 * e for e in expected]), fraction
+    with pytest.raises(ValueError, match="final_lr_fraction"):
+        artrl.SFTConfig(final_lr_fraction=0.0)

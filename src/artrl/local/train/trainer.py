@@ -126,6 +126,11 @@ def check_train_config(config: TrainConfig, has_adapter: bool) -> None:
         raise ValueError("kl_coef > 0 needs a LoRA adapter (the base policy is the adapter disabled)")
 
 
+def sft_lr_factor(step: int, steps: int, final: float) -> float:
+    """The learning rate's factor at optimizer step `step` of `steps`: 1 at the first, `final` at the last."""
+    return 1.0 - (1.0 - final) * step / max(1, steps - 1)
+
+
 def idle_row(rows: list[Row]) -> Row:
     """Two real tokens, the second a target (one logprob: token_logprobs computes targets only), for an
     idle pass (`Trainer._idle_pass`); its loss is multiplied by 0 there."""
@@ -239,7 +244,10 @@ class Trainer:
         self.progress.start(sum(len(rows) for rows in steps))
         try:
             self._begin(config)
-            for rows in filter(None, steps):
+            for k, rows in enumerate(steps):
+                if not rows:
+                    continue
+                self._set_lr(config.learning_rate * sft_lr_factor(k, len(steps), config.final_lr_fraction))
                 normaliser = trained_targets(rows)
                 step_loss = 0.0
                 for micro in self._micro_batches(rows, config):
@@ -305,6 +313,10 @@ class Trainer:
         for swap in (self._fused, self._norms):
             if swap is not None:
                 swap.fuse()
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _end(self) -> None:
         for swap in (self._fused, self._norms):
