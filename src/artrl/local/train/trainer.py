@@ -11,8 +11,7 @@ import logging
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -22,11 +21,12 @@ from artrl.local.train.batch import TrainingBatch
 from artrl.local.train.fused_lora import FusedLoraTraining
 from artrl.local.train.fused_norm import FusedNormTraining
 from artrl.local.train.logprobs import head_is_the_models, shares_prefixes, token_logprobs, unwrapped
-from artrl.local.train.loss import LossTerms, policy_loss, sft_loss
+from artrl.local.train.loss import policy_loss, sft_loss
 from artrl.local.train.pack import MicroBatch, collate, pack, pack_by_prompt, shared_prompt
 from artrl.local.train.progress import TrainProgress
 from artrl.local.train.rollback import CallStart
 from artrl.local.train.rows import NO_LOGPROB, Row, trained_targets
+from artrl.local.train.step_totals import GRPOTotals, OneProcess, Reduction
 
 log = logging.getLogger(__name__)
 
@@ -41,81 +41,6 @@ def _record_logprobs(
         n = len(batch.rows[i].ids)
         batch.trainer_logprobs[i] = [None] + [values[b][t] if mask[b][t] else None for t in range(n - 1)]
         batch.before_update[i] = before_update
-
-
-@dataclass
-class GRPOTotals:
-    """Sums over one `Trainer.step` call, weighted by token weight (mask x row weight)."""
-
-    loss: float = 0.0
-    clipped: float = 0.0
-    kl: float = 0.0
-    ratio: float = 0.0
-    entropy: float = 0.0
-    weight: float = 0.0
-    # the train/inference mismatch monitor: trainer vs engine logprobs, before this call changed the weights
-    mismatch: float = 0.0
-    mismatch_max: float = 0.0
-    mismatch_over: float = 0.0
-    known: float = 0.0
-    grad_norm: float = 0.0
-    optimizer_steps: int = 0
-
-    def add(self, terms: LossTerms, entropy: torch.Tensor, mb: MicroBatch, before_any_update: bool) -> None:
-        token_weight = mb.mask * mb.weights[:, None]  # (B, T-1)
-        self.loss += float(terms.loss.detach())
-        self.clipped += terms.clipped_tokens
-        self.kl += terms.kl
-        self.ratio += terms.ratio
-        self.entropy += float((entropy * token_weight).sum())
-        self.weight += float(token_weight.sum())
-        if before_any_update:
-            self.mismatch += terms.mismatch
-            self.mismatch_max = max(self.mismatch_max, terms.mismatch_max)
-            self.mismatch_over += terms.mismatch_over
-            self.known += terms.known
-
-    def reduce(self, across: Reduction) -> None:
-        """Sums and maxima over every process's rows (one process: unchanged)."""
-        names = [
-            f.name for f in fields(self) if f.name not in ("mismatch_max", "grad_norm", "optimizer_steps")
-        ]
-        for name, value in zip(names, across.sum([getattr(self, n) for n in names]), strict=True):
-            setattr(self, name, value)
-        (self.mismatch_max,) = across.max([self.mismatch_max])
-
-    def metrics(self, seconds: float) -> dict[str, float]:
-        weight, known = self.weight or 1.0, self.known or 1.0
-        return {
-            "loss": self.loss,
-            "clip_fraction": self.clipped / weight,
-            "kl": self.kl / weight,
-            "ratio_mean": self.ratio / weight,
-            "logprob_mismatch_mean": self.mismatch / known,
-            "logprob_mismatch_max": self.mismatch_max,
-            "logprob_mismatch_fraction": self.mismatch_over / known,
-            "entropy": self.entropy / weight,
-            "grad_norm": self.grad_norm,
-            "optimizer_steps": self.optimizer_steps,
-            "train_seconds": seconds,
-        }
-
-
-class Reduction(Protocol):
-    """Sums and maxima of per-process values over all the processes that train one step."""
-
-    def sum(self, values: list[float]) -> list[float]: ...
-    def max(self, values: list[float]) -> list[float]: ...
-
-
-class OneProcess:
-    """Every row of the step is in this process: nothing to reduce."""
-
-    def sum(self, values: list[float]) -> list[float]:
-        return values
-
-    def max(self, values: list[float]) -> list[float]:
-        return values
 
 
 Logprobs = Callable[[MicroBatch, "int | None", bool], tuple[torch.Tensor, torch.Tensor]]
