@@ -51,6 +51,7 @@ class ReplicaSet(Supervisor):
         self.target = base_name  # what requests ask for: the base, or the latest adapter
         self.adapter_paths: dict[str, str] = {}
         self.weights: str | None = None  # full fine-tuning: the checkpoint the servers run
+        self.incoming: str | None = None  # the checkpoint a rolling reload is bringing up (not current yet)
         self._start = start  # None: servers artrl does not own (it cannot restart them)
         self._on_restart = on_restart or (lambda index: None)
         self.hold_restarts = threading.Event()  # set while the replicas sleep for training
@@ -213,12 +214,18 @@ class ReplicaSet(Supervisor):
                     replica.state, replica.down_reason = "down", f"its restart on {checkpoint} failed: {exc}"
                     log.warning("%s: %s", replica.name(), replica.down_reason)
 
-        if len(live) > 1:
-            for replica in first:
-                await asyncio.to_thread(restart, replica)
-        else:
-            await asyncio.gather(*(asyncio.to_thread(restart, r) for r in live))
-        if not any(r.state == "up" and r.weights == checkpoint for r in self.replicas):
-            raise EngineError(f"no vLLM replica came up on {checkpoint}: {self.unavailable(self.base_name)}")
-        self.weights = checkpoint  # requests go to the replicas on it; the supervisor restarts the others
+        self.incoming = checkpoint  # (the supervisor leaves a replica up on it alone meanwhile)
+        try:
+            if len(live) > 1:
+                for replica in first:
+                    await asyncio.to_thread(restart, replica)
+            else:
+                await asyncio.gather(*(asyncio.to_thread(restart, r) for r in live))
+            if not any(r.state == "up" and r.weights == checkpoint for r in self.replicas):
+                raise EngineError(
+                    f"no vLLM replica came up on {checkpoint}: {self.unavailable(self.base_name)}"
+                )
+            self.weights = checkpoint  # requests go to the replicas on it; the supervisor restarts the others
+        finally:
+            self.incoming = None
         self._wake.set()

@@ -71,6 +71,7 @@ class Supervisor:
     base_name: str
     target: str
     weights: str | None
+    incoming: str | None
     hold_restarts: threading.Event  # set while the replicas sleep for training
     _start: StartServer | None
     _on_restart: Callable[[int], None]
@@ -132,7 +133,8 @@ class Supervisor:
             replica.tokens_at_check = replica.tokens_seen
             if replica.server is not None and not replica.server.alive:
                 self._down(replica, replica.server.describe_exit())
-            elif replica.weights != self.weights and self._start is not None:  # (a rolling reload's rest)
+            elif replica.weights != self.weights and self._start is not None and not self._incoming(replica):
+                # (a rolling reload's rest; one already up on the incoming weights waits for them to be current)
                 self._down(replica, f"it runs {replica.weights or 'the base weights'}, not {self.weights}")
                 replica.restarts_in_a_row -= 1  # (a planned restart: not one towards max_restarts)
             elif (failure := self.probe(replica)) is not None:
@@ -170,6 +172,10 @@ class Supervisor:
             self._restarts = [t for t in self._restarts if t.is_alive()]
             self._restarts.append(threading.Thread(target=self._restart, args=(replica,), daemon=True))
             self._restarts[-1].start()
+
+    def _incoming(self, replica: Replica) -> bool:
+        """Whether the replica runs the weights a rolling reload is bringing up (current once it ends)."""
+        return self.incoming is not None and replica.weights == self.incoming
 
     def _down(self, replica: Replica, reason: str) -> None:
         log.warning("%s is down: %s", replica.name(), reason[:2000])
