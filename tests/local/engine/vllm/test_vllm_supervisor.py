@@ -240,6 +240,39 @@ async def test_a_replica_up_on_the_weights_a_rolling_reload_brings_is_not_taken_
     await engine.close()
 
 
+async def test_a_netrc_default_entry_does_not_break_the_requests_to_vllm(tmp_path, monkeypatch):
+    """aiohttp's trust_env added ~/.netrc's credentials to every request to vLLM, and a `default` entry (it
+    matches every host) clashed with the API key's Authorization header: every generation failed with
+    "Cannot combine AUTHORIZATION header with AUTH argument"."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("default login someone password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    fake = FakeVLLM(key="k")
+    engine = served([fake], VLLMConfig(**SLOW))
+    assert len(await generate(engine)) == fake.tokens
+    await engine.close()
+    fake.stop()
+
+
+def test_the_environments_proxy_is_read_once_per_server_and_no_proxy_holds(monkeypatch):
+    from artrl.local.engine.vllm.completions import env_proxy
+
+    for name in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    env_proxy.cache_clear()
+    assert env_proxy("http://10.0.0.5:8000") == (None, None)
+    env_proxy.cache_clear()
+    monkeypatch.setenv("HTTP_PROXY", "http://user:pw@proxy.test:3128")
+    monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
+    proxy, auth = env_proxy("http://10.0.0.5:8000")
+    assert proxy == "http://proxy.test:3128" and (auth.login, auth.password) == ("user", "pw")
+    assert env_proxy("http://127.0.0.1:8000") == (None, None)
+    monkeypatch.setenv("HTTP_PROXY", "http://other.test:3128")
+    assert env_proxy("http://10.0.0.5:8000")[0] == "http://proxy.test:3128"  # (read once: cached)
+    env_proxy.cache_clear()
+
+
 # ---------------------------------------------------------------- replicas that die, refuse, or are busy
 async def test_a_replica_that_died_unnoticed_does_not_fail_a_training_step():
     fakes = [FakeVLLM(), FakeVLLM()]
