@@ -6,7 +6,7 @@ chat endpoint parses tool calls as the gateway does). Phase *base*: both serve t
 asks vLLM for the base; the direct client names the base). Phase *adapter*: after one GRPO step the trained
 LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names it. In each phase:
 1, 8 and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each,
-`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs; then sequential
+`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs (5x that at 8 sessions); then sequential
 1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*: this process's CPU time per
 1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the gateway's for artrl (the gateway
 runs here, `model.openai_client()` reaches it without a socket), so the difference is the gateway's.
@@ -36,6 +36,12 @@ SECTION_HEADING = "## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_
 LABELS = ("artrl+vLLM", "vLLM direct")
 
 
+def runs_at(sessions: int, runs: int) -> int:
+    """Runs per endpoint at a session count: a run of 8 sessions lasts about a second, and on a 2-core host
+    either endpoint's runs then vary 2-3x (389-1,281 tok/s in one process): 5x the runs between 1 and 64."""
+    return runs * 5 if 1 < sessions < 64 else runs
+
+
 async def measured(ep: Endpoint, work: Workload, run: str) -> tuple[RunStats, float]:
     """One run; this process's CPU seconds during it."""
     cpu = time.process_time()
@@ -51,7 +57,7 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
         for label in LABELS:  # warm-up
             await run_sessions(endpoints[label], work, f"warm-up {name} {label}")
         runs: dict[str, list[tuple[RunStats, float]]] = {label: [] for label in LABELS}
-        for r in range(args.runs):
+        for r in range(runs_at(sessions, args.runs)):
             for label in harness.alternating(LABELS, r):
                 await harness.settle(at_least_s=0.5)
                 stats, cpu = await measured(endpoints[label], work, f"{name} {r}")
@@ -128,18 +134,19 @@ async def run(args: argparse.Namespace) -> list[str]:
             direct = openai.AsyncOpenAI(
                 base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
             )
+            direct_body = {"ignore_eos": True, **({"logprobs": True} if args.direct_logprobs else {})}
             try:
                 gateway = Endpoint(model.openai_client(), model.name, {"ignore_eos": True})
                 base = {
                     "artrl+vLLM": gateway,
-                    "vLLM direct": Endpoint(direct, engine.served_name, {"ignore_eos": True}),
+                    "vLLM direct": Endpoint(direct, engine.served_name, direct_body),
                 }
                 rows += await phase("base", base, args)
                 await trained_one_step(model)
                 assert engine.target == f"{model.name}@1", engine.target
                 adapter = {
                     "artrl+vLLM": gateway,
-                    "vLLM direct": Endpoint(direct, engine.target, {"ignore_eos": True}),
+                    "vLLM direct": Endpoint(direct, engine.target, direct_body),
                 }
                 rows += await phase("adapter", adapter, args)
             finally:
@@ -154,7 +161,7 @@ def section(args: argparse.Namespace, rows: list[str]) -> str:
             "",
             f"{args.machine_line}; {harness.vllm_version() or 'vLLM ?'}",
             f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
-            f"median of {args.runs} runs, endpoints alternating; `tiny` preset; the gateway's wire to vLLM: "
+            f"median of {args.runs} runs ({runs_at(8, args.runs)} at 8 sessions), endpoints alternating; `tiny` preset; the gateway's wire to vLLM: "
             f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})`; {args.pinned or 'threads not pinned'}",
             "- *artrl / direct*: tok/s ratio (acceptance: >= 0.95x at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
