@@ -6,10 +6,12 @@ chat endpoint parses tool calls as the gateway does). Phase *base*: both serve t
 asks vLLM for the base; the direct client names the base). Phase *adapter*: after one GRPO step the trained
 LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names it. In each phase:
 1, 8 and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each,
-`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs (5x that at 8 sessions); then sequential
-1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*: this process's CPU time per
-1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the gateway's for artrl (the gateway
-runs here, `model.openai_client()` reaches it without a socket), so the difference is the gateway's.
+`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs (5x that at 8
+sessions); then sequential 1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*:
+this process's CPU time per 1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the
+gateway's for artrl (the gateway runs here, `model.openai_client()` reaches it without a socket), so the
+difference is the gateway's. `--direct-logprobs`: the direct calls ask for each token's logprob too, as
+artrl's gateway always asks vLLM (the like-for-like of an RL trainer's request).
 
     .venv/bin/python benchmarks/bench_vllm_path.py [--quick] [--out benchmarks/RESULTS.md]
 
@@ -161,7 +163,8 @@ def section(args: argparse.Namespace, rows: list[str]) -> str:
             "",
             f"{args.machine_line}; {harness.vllm_version() or 'vLLM ?'}",
             f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
-            f"median of {args.runs} runs ({runs_at(8, args.runs)} at 8 sessions), endpoints alternating; `tiny` preset; the gateway's wire to vLLM: "
+            f"median of {args.runs} runs ({runs_at(8, args.runs)} at 8 sessions), endpoints alternating; `tiny` "
+            "preset; the gateway's wire to vLLM: "
             f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})`; {args.pinned or 'threads not pinned'}",
             "- *artrl / direct*: tok/s ratio (acceptance: >= 0.95x at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
