@@ -24,15 +24,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files holding a test marked `longest` first, then the others by their number of tests, most first
-    (pytest-xdist's own order, which scripts/test.sh turns off with --no-loadscope-reorder to keep this
-    one): with --dist loadfile a worker then starts the longest test at once while the others share the
-    rest, instead of one worker finishing it alone at the end."""
+    """Files holding a test marked `longest` first, then files with a slow or vLLM test, then the rest; each
+    group by its number of tests, most first (pytest-xdist's own order, which scripts/test.sh turns off with
+    --no-loadscope-reorder to keep this one). With --dist loadfile a worker then starts the longest test at
+    once while the others share the rest, and the run ends on short files: ordered by count alone, single-test
+    files of a minute or more (the kill -9 tests, the GPU check's dry run) came last, and one worker ran them
+    alone for the run's last ~70 s."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def has(its: list[pytest.Item], *markers: str) -> bool:
+        return any(i.get_closest_marker(m) for i in its for m in markers)
+
     ranked = sorted(
-        files.values(), key=lambda its: (not any(i.get_closest_marker("longest") for i in its), -len(its))
+        files.values(), key=lambda its: (not has(its, "longest"), not has(its, "slow", "vllm"), -len(its))
     )
     items[:] = [item for its in ranked for item in its]
 
