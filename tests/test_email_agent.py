@@ -150,7 +150,7 @@ def test_the_recipe_runs_end_to_end_and_reports_each_phase(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.longest  # ~9 min on one core: it starts first in CI (see conftest)
+@pytest.mark.longest  # ~10-12 min on one core: it starts first in CI (see conftest)
 def test_the_recipe_learns(tmp_path, demo_models):
     """train.py with its defaults, shortened (a stand-in of half the size, 32 GRPO steps): validation success
     on 64 questions from the inbox it never trains on must rise by at least 0.15, citations with it, and the
