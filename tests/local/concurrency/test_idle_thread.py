@@ -19,14 +19,15 @@ def test_tasks_run_in_order_on_one_thread_that_ends_when_idle_and_restarts():
     ]
     assert [f.result(5) for f in futures] == list(range(20))
     assert [i for i, _ in seen] == list(range(20)) and {name for _, name in seen} == {"worker"}
-    first = pool._thread
+    first = pool.submit(threading.current_thread).result(5)  # (pool._thread may be None already: 0.05 s idle)
     deadline = time.monotonic() + 5
     while pool._thread is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pool._thread is None and first is not None
     first.join(5)
     assert not first.is_alive()
-    assert pool.submit(lambda: 7).result(5) == 7  # a new thread
+    assert pool.submit(lambda: 7).result(5) == 7
+    assert pool.submit(threading.current_thread).result(5) is not first  # a new thread
     with pytest.raises(ZeroDivisionError):
         pool.submit(lambda: 1 / 0).result(5)
     # tasks racing the thread's decision to end are never left behind

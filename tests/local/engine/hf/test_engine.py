@@ -320,7 +320,8 @@ async def test_the_engine_thread_ends_when_idle_and_the_next_request_starts_anot
     try:
         seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
         first = await collect(engine, PROMPTS[1], seeded, n=2)
-        ended = engine._thread
+        # the engine thread, named from inside it (read from outside, it may already have ended: 0.05 s idle)
+        ended = await engine.run_exclusive(threading.current_thread, changes_weights=False)
         deadline = time.monotonic() + 60  # (a guard against a thread that never ends, not a speed test)
         while engine._thread is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -328,7 +329,7 @@ async def test_the_engine_thread_ends_when_idle_and_the_next_request_starts_anot
         await asyncio.to_thread(ended.join, 60)
         assert not ended.is_alive()
         assert await collect(engine, PROMPTS[1], seeded, n=2) == first  # a new thread
-        assert engine._thread is not None and engine._thread is not ended
+        assert await engine.run_exclusive(threading.current_thread, changes_weights=False) is not ended
         assert await engine.run_exclusive(lambda: 42) == 42
         # requests racing the thread's decision to end: none is left behind
         for _ in range(20):
