@@ -4,5 +4,8 @@
 # through to examples/train_agent.py, e.g. --seed 1 or --base-model Qwen/Qwen2.5-0.5B-Instruct.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python writes the bytecode of a module the first time a process imports it (a machine may set
+# PYTHONDONTWRITEBYTECODE: then every process would compile again what the setup did not)
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 exec .venv/bin/python examples/train_agent.py "$@"

