@@ -16,11 +16,14 @@ install_packages() {
   "$venv/bin/python" -m pip install -q --no-compile "$@" 2>&1 | grep -v '^WARNING: Location' || true
 }
 
-# `--find-links DIR` for each folder or page in pip's configuration (PIP_FIND_LINKS, pip.conf), for uv
+# `--find-links DIR` for each folder or page in pip's configuration (PIP_FIND_LINKS, or pip.conf's global or
+# install section, as VENV's pip reads them), one argument a line, for uv: `pip_find_links VENV`
 pip_find_links() {
-  local links
-  links=${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}
-  for link in $links; do
+  local links link
+  links=${PIP_FIND_LINKS:-$("$1/bin/python" -m pip config get global.find-links 2>/dev/null \
+    || "$1/bin/python" -m pip config get install.find-links 2>/dev/null || true)}
+  read -r -a links <<<"$links"
+  for link in ${links[@]+"${links[@]}"}; do
     printf -- '--find-links\n%s\n' "$link"
   done
 }

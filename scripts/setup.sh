@@ -27,8 +27,8 @@ fi
 source scripts/install_packages.sh
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "installing $TORCH_SPEC ..."
-  mapfile -t find_links < <(pip_find_links)  # (where pip finds the CPU build on this kind of machine's disk)
-  install_packages .venv "${find_links[@]}" "$TORCH_SPEC"
+  mapfile -t find_links < <(pip_find_links .venv)  # (where pip finds the CPU build on this kind of machine's disk)
+  install_packages .venv ${find_links[@]+"${find_links[@]}"} "$TORCH_SPEC"
 fi
 echo "installing artrl and its dependencies ..."
 install_packages .venv -e ".[local,dev,examples,mcp,trackers,tinker]"

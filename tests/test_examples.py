@@ -187,9 +187,9 @@ def test_train_agent_takes_a_model_folder_as_base_model(tiny_model_dir, tmp_path
 def test_the_demo_runs_on_another_model_family(family, family_dirs, tmp_path):
     """`bash scripts/demo.sh --base-model DIR` with a folder of a non-Qwen family (its real template and
     special tokens): warm start on its format, validation, a GRPO step — the README's command, unchanged.
-    gpt-oss: the harmony format and a reasoning channel. Every family's GRPO step and SFT call, Llama 3.1's
-    architecture and BOS token included, on both engines: tests/local/families/test_families.py (Llama 3.1
-    ran here too: ~40 s of CI for what that file checks)."""
+    gpt-oss: the harmony format and a reasoning channel. Every family's GRPO step and SFT call (Llama 3.1's
+    architecture among them) on both engines: tests/local/families/test_families.py (Llama 3.1 ran here too:
+    ~40 s of CI for the demo's wiring, which is the same for every family)."""
     out = tmp_path / "out"
     script = Path(__file__).parent.parent / "scripts" / "demo.sh"
     done = subprocess.run(
