@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -393,6 +394,50 @@ def test_a_server_that_cannot_start_gives_its_log_and_leaves_nothing(tmp_path):
         ["pgrep", "-f", str(tmp_path / "no-such-model")], capture_output=True, text=True
     )
     assert leftovers.stdout.strip() == ""
+
+
+@pytest.mark.vllm
+def test_a_port_another_server_took_is_not_mistaken_for_the_new_server(tmp_path, tiny_model_dir, monkeypatch):
+    """free_port's port, bound by another process before vLLM binds it (CI: another worker's server): /health
+    answers there, but not with this server's key, and the new server, which exits on 'Address already in
+    use', starts again on another port."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from artrl.local.engine.vllm import server as vllm_server
+
+    class Other(BaseHTTPRequestHandler):  # another key's server: /health open, /v1 refused
+        def do_GET(self):  # (http.server's name)
+            self.send_response(200 if self.path == "/health" else 401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    ports = [other.server_address[1]]
+    monkeypatch.setattr(vllm_server, "free_port", lambda: ports.pop() if ports else _free_port())
+    try:
+        server = VLLMServer.start(str(tiny_model_dir), "t", tmp_path / "log", VLLMConfig(), max_model_len=256)
+    finally:
+        other.shutdown()
+    try:
+        assert server.base_url != f"http://127.0.0.1:{other.server_address[1]}"
+        assert "Address already in use" in (tmp_path / "log").read_text()
+        models = httpx.get(
+            f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {server.api_key}"}
+        )
+        assert models.json()["data"][0]["id"] == "t"
+    finally:
+        server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.vllm

@@ -96,6 +96,13 @@ class VLLMStartError(RuntimeError):
     """The vLLM server did not come up; the message quotes its log."""
 
 
+class _PortTaken(VLLMStartError):
+    """Another process bound the port `free_port` found before this vLLM server could."""
+
+
+PORT_ATTEMPTS = 3  # a server whose port was taken starts again on another, at most this many times in all
+
+
 def find_vllm_python(configured: str | None) -> str:
     """The interpreter of vLLM's environment (see VLLMConfig.python)."""
     candidates = [configured, os.environ.get("ARTRL_VLLM_PYTHON")]
@@ -209,6 +216,37 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         cancel: threading.Event | None = None,
     ) -> VLLMServer:
+        """A running server, up and answering with its key. The port is a free one when chosen; another process
+        (a test worker's server, say) may bind it first: then vLLM exits on start-up and starts on another."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return cls._start_once(
+                    model, served_name, log_path, config, max_model_len=max_model_len, tokenizer=tokenizer,
+                    lora_rank=lora_rank, dtype=dtype, on_cpu=on_cpu, load=load, env=env, cancel=cancel,
+                )  # fmt: skip
+            except _PortTaken:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("vLLM's port was taken by another process; starting it on another")
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(
+        cls,
+        model: str,
+        served_name: str,
+        log_path: Path,
+        config: VLLMConfig,
+        *,
+        max_model_len: int,
+        tokenizer: str | None,
+        lora_rank: int | None,
+        dtype: str,
+        on_cpu: bool,
+        load: LoadConfig | None,
+        env: dict[str, str] | None,
+        cancel: threading.Event | None,
+    ) -> VLLMServer:
         python = find_vllm_python(config.python)
         port = free_port()
         args = [
@@ -285,11 +323,17 @@ class VLLMServer:
                     raise VLLMStartError("the vLLM server's start was cancelled (its engine is closing)")
                 code = self.process.poll()
                 if code is not None:
-                    raise VLLMStartError(
-                        f"the vLLM server exited with code {code} during start-up. {self._tail()}"
-                    )
+                    tail = self._tail()
+                    error = _PortTaken if "Address already in use" in tail else VLLMStartError
+                    raise error(f"the vLLM server exited with code {code} during start-up. {tail}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if http.get(f"{self.base_url}/health").status_code == 200:
+                    # /health answers for whatever listens on the port; this server also knows its key (another
+                    # process that took the port, another artrl's vLLM say, answers 401)
+                    if (
+                        http.get(f"{self.base_url}/health").status_code == 200
+                        and http.get(f"{self.base_url}/v1/models", headers=self._auth).status_code == 200
+                        and self.process.poll() is None
+                    ):
                         log.info("vLLM is up after %.0f s (%s)", time.monotonic() - started, self.base_url)
                         return
                 if time.monotonic() - said >= 30:  # (minutes on a big model: it is not stuck)
@@ -301,6 +345,10 @@ class VLLMServer:
                         f"(VLLMConfig.startup_timeout_s). {self._tail()}"
                     )
                 time.sleep(0.5)
+
+    @property
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     def _tail(self) -> str:
         try:
