@@ -218,41 +218,11 @@ class VLLMServer:
     ) -> VLLMServer:
         """A running server, up and answering with its key. The port is a free one when chosen; another process
         (a test worker's server, say) may bind it first: then vLLM exits on start-up and starts on another."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            try:
-                return cls._start_once(
-                    model, served_name, log_path, config, max_model_len=max_model_len, tokenizer=tokenizer,
-                    lora_rank=lora_rank, dtype=dtype, on_cpu=on_cpu, load=load, env=env, cancel=cancel,
-                )  # fmt: skip
-            except _PortTaken:
-                if attempt == PORT_ATTEMPTS:
-                    raise
-                log.warning("vLLM's port was taken by another process; starting it on another")
-        raise AssertionError("unreachable")
-
-    @classmethod
-    def _start_once(
-        cls,
-        model: str,
-        served_name: str,
-        log_path: Path,
-        config: VLLMConfig,
-        *,
-        max_model_len: int,
-        tokenizer: str | None,
-        lora_rank: int | None,
-        dtype: str,
-        on_cpu: bool,
-        load: LoadConfig | None,
-        env: dict[str, str] | None,
-        cancel: threading.Event | None,
-    ) -> VLLMServer:
         python = find_vllm_python(config.python)
-        port = free_port()
         args = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", served_name,
-            "--host", "127.0.0.1", "--port", str(port),
+            "--host", "127.0.0.1", "--port", "0",  # (each attempt's own below)
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--disable-uvicorn-access-log",
             "--middleware", "artrl_vllm_key_guard.KeyGuard",  # the key on every route (see _KEY_GUARD)
@@ -294,6 +264,31 @@ class VLLMServer:
         if Path(model).is_dir():  # a local folder needs no hub (and this machine may have none)
             env.setdefault("HF_HUB_OFFLINE", "1")
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            port = free_port()
+            args[args.index("--port") + 1] = str(port)
+            try:
+                return cls._launch(python, args, env, port, log_path, config, api_key, model, cancel)
+            except _PortTaken:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                log.warning("vLLM's port %d was taken by another process; starting it on another", port)
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _launch(
+        cls,
+        python: str,
+        args: list[str],
+        env: dict[str, str],
+        port: int,
+        log_path: Path,
+        config: VLLMConfig,
+        api_key: str,
+        model: str,
+        cancel: threading.Event | None,
+    ) -> VLLMServer:
+        """One attempt: the server on `port`, up, or VLLMStartError (_PortTaken: the port was not free)."""
         with open(log_path, "ab") as log_file:
             log_file.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
             log_file.flush()
