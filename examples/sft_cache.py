@@ -1,13 +1,30 @@
-"""Supervised stages of the examples' recipes (a stand-in for pretraining, a warm start), cached as model folders."""
+"""Supervised stages of the examples' recipes (a stand-in for pretraining, a warm start), cached as model folders.
+
+An example may ship built stages beside its code (examples/email_agent/models/): a folder there whose name is
+the key of a stage's recipe is that stage, built from the same code and settings (the key covers them all), and
+is copied into the cache instead of built again. A recipe that changes gets a new key, so a shipped stage never
+stands in for another recipe; it is built as before."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import artrl
+
+
+def stage_folder(base_model: str, name: str, config: artrl.SFTConfig, key_parts: list, path: str) -> Path:
+    """The cache folder of a stage: --path/models/NAME-KEY, KEY a hash of everything that determines it. A base
+    model from this cache counts by its folder's name, not its path: the cache holds wherever --path is
+    (moved, copied, or given as another path)."""
+    models = Path(path) / "models"
+    base = Path(base_model).name if Path(base_model).parent == models else base_model
+    parts = [base, config.model_dump(), *key_parts]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
+    return models / f"{name}-{key}"
 
 
 async def sft_stage(
@@ -19,21 +36,23 @@ async def sft_stage(
     key_parts: list,
     path: str,
     project: str,
+    shipped: Path | None = None,
 ) -> str:
-    """Fully fine-tune `base_model` on `transcripts()`; the result is cached as a model folder keyed by
-    everything that determines it. A base model from this cache counts by its folder's name, not its path:
-    the cache holds wherever --path is (moved, copied, or given as another path)."""
-    models = Path(path) / "models"
-    base = Path(base_model).name if Path(base_model).parent == models else base_model
-    parts = [base, config.model_dump(), *key_parts]
-    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
-    folder = models / f"{name}-{key}"
+    """Fully fine-tune `base_model` on `transcripts()`; the result is cached as a model folder (stage_folder).
+    `shipped`: a folder of stages built before; the one of this key, if there, is copied instead of built."""
+    folder = stage_folder(base_model, name, config, key_parts, path)
     if (folder / "config.json").exists():
         return str(folder)
-    model = artrl.TrainableModel(name=f"{name}-{key}", project=project, base_model=base_model, lora=None)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if shipped is not None and (shipped / folder.name / "config.json").exists():
+        shutil.copytree(shipped / folder.name, tmp)
+        tmp.rename(folder)
+        print(f"{name}: the copy shipped with the example ({shipped / folder.name})")
+        return str(folder)
+    model = artrl.TrainableModel(name=folder.name, project=project, base_model=base_model, lora=None)
     await model.register(backend)
     result = await model.train_sft(transcripts(), config)
-    tmp = folder.with_name(folder.name + ".tmp")
     await model.export(str(tmp))
     tmp.rename(folder)
     print(f"{name}: {result.metrics['optimizer_steps']} SFT steps, loss {result.metrics['loss']:.3f}")

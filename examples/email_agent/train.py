@@ -1,6 +1,6 @@
 """The email agent (ART·E's task) trained with GRPO until it visibly gets better, on 2 CPU cores or a GPU.
 
-    python examples/email_agent/train.py [--seed 0] [--summary FILE]   # the tiny model: ~9 min, ~1.5 cached
+    python examples/email_agent/train.py [--seed 0] [--summary FILE]   # the tiny model: ~3-4 min on 2 cores
     python examples/email_agent/train.py --base-model Qwen/Qwen2.5-7B-Instruct --engine vllm --val-size 100
 
 The agent answers questions about an inbox with `search_inbox`, `read_email` and `final_answer` (plain
@@ -11,7 +11,9 @@ another built from disjoint people, facts and ids (`inbox.py`). On the project's
    --base-model), cached under --path/models;
 2. a weak warm start (cached): SFT on a scripted agent's transcripts over inboxes RL never sees, its
    search, the hit it reads and the value it answers each right with its probability in --warm-skill, so
-   the model knows the tools and the format and succeeds only sometimes;
+   the model knows the tools and the format and succeeds only sometimes. The defaults' stand-in and warm
+   start come with the example (models/, made by `--ship`; see stages.py): a run with them copies both
+   rather than building them (~12 min on one core), as a hub model arrives pretrained; --no-shipped builds;
 3. validation of the base model (prompted only) and of the warm start, then GRPO on a LoRA, validated every
    --eval-every steps and at the end, on questions from the inbox it never trains on.
 
@@ -26,8 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
-import itertools
 import json
 import os
 import random
@@ -39,14 +39,12 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))
-import copying
 import email_env as env
 import inbox as inboxes
-from sft_cache import sft_stage
+from stages import SHIPPED, ship, stand_in, warm_start
 
 import artrl
 
-WARM_INBOX_MESSAGES = 1000  # the warm start's inboxes (seeds 1, 2, ...; RL trains on seed 0's)
 METRICS = ("correct", "cited", "found", "read", "answered", "broken", "calls")
 
 
@@ -73,46 +71,6 @@ async def evaluate(
         "reward": sum(t.reward for t in trajectories) / n,
         **{f"success_{k}": sum(v) / len(v) for k, v in by_kind.items() if v},
     }
-
-
-async def stand_in(backend: artrl.LocalBackend, args: argparse.Namespace) -> str:
-    tiny = str(artrl.ensure_tiny_model(Path(args.path) / "models" / "tiny"))
-    if not args.copy_examples:
-        return tiny
-    config = artrl.SFTConfig(learning_rate=args.copy_lr, batch_size=16, seed=0)
-    key = [args.copy_examples, inspect.getsource(copying)]
-    corpus = lambda: copying.corpus(args.copy_examples)  # noqa: E731
-    return await sft_stage(backend, tiny, "tiny-copying", corpus, config, key, args.path, project="email")
-
-
-async def warm_start(backend: artrl.LocalBackend, base: str, args: argparse.Namespace) -> str:
-    """SFT on a scripted agent's transcripts over inboxes of the training pool that RL never sees (one
-    transcript per question: nothing to memorise, every value has to be read)."""
-    folder = Path(args.path) / "email-data" / "warm"
-
-    def transcripts() -> list[artrl.Trajectory]:
-        rng, out = random.Random(0), []
-        for seed in itertools.count(1):
-            questions = inboxes.build(folder / f"{seed}.sqlite", "train", WARM_INBOX_MESSAGES, seed)
-            inbox = inboxes.Inbox(folder / f"{seed}.sqlite")
-            out += [
-                env.scripted_transcript(inbox, q, rng, len(out) + i, env.Skill(*args.warm_skill))
-                for i, q in enumerate(questions)
-            ]
-            inbox.close()
-            if len(out) >= args.warm_examples:
-                return out[: args.warm_examples]
-        raise AssertionError("itertools.count does not end")
-
-    config = artrl.SFTConfig(learning_rate=args.warm_lr, batch_size=16, seed=0)
-    key = [
-        args.warm_examples,
-        args.warm_skill,
-        WARM_INBOX_MESSAGES,
-        inspect.getsource(env),
-        inspect.getsource(inboxes),
-    ]
-    return await sft_stage(backend, base, "email-warm", transcripts, config, key, args.path, project="email")
 
 
 def _ruler(args: argparse.Namespace, model: artrl.TrainableModel, questions: dict[str, inboxes.Question]):
@@ -169,11 +127,16 @@ async def main(args: argparse.Namespace) -> dict:
     async with artrl.LocalBackend(
         path=args.path, engine=artrl.EngineConfig(generation_threads=threads), in_process=args.in_process
     ) as backend:
+        if args.ship:
+            shipped = await ship(backend, args, Path(args.ship))
+            print("shipped: " + ", ".join(shipped))
+            return {"shipped": shipped}
         t = time.perf_counter()
-        base = args.base_model or await stand_in(backend, args)
+        ready = SHIPPED if args.shipped else None
+        base = args.base_model or await stand_in(backend, args, ready)
         seconds["stand_in"] = time.perf_counter() - t
         t = time.perf_counter()
-        warm = await warm_start(backend, base, args) if args.warm_examples else base
+        warm = await warm_start(backend, base, args, ready) if args.warm_examples else base
         seconds["warm_start"] = time.perf_counter() - t
         async with contextlib.AsyncExitStack() as stack:  # (--engine vllm: GRPO's rollouts on vLLM)
             rl_backend = backend
@@ -365,6 +328,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--copy-lr", type=float, default=3e-3)
     p.add_argument(
+        "--shipped",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take the stand-in and warm start shipped in models/ where they are these settings' (stages.py); "
+        "--no-shipped builds them",
+    )
+    p.add_argument(
+        "--ship",
+        nargs="?",
+        const=str(SHIPPED),
+        default=None,
+        metavar="DIR",
+        help="build the stand-in and warm start of these settings, make them the ones in DIR (default: models/, "
+        "the shipped ones: run it with the defaults after changing what their key covers, see stages.py) and stop",
+    )
+    p.add_argument(
         "--warm-examples",
         type=int,
         default=None,
@@ -401,6 +380,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.train_messages = max(2000, inboxes.MESSAGES_PER_QUESTION * args.steps * args.groups_per_step)
     if args.warm_examples is None:
         args.warm_examples = 0 if args.base_model else 8192
+    if args.ship and (args.base_model or not args.copy_examples or not args.warm_examples):
+        p.error(
+            "--ship builds the tiny model's two stages: it takes no --base-model, --copy-examples 0 or --warm-examples 0"
+        )
     return args
 
 

@@ -7,14 +7,11 @@ calling `stop()` (even by SIGKILL). Its output goes to a log file, whose tail is
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
 import importlib.util
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -54,7 +51,7 @@ sys.exit(child.returncode)
 """
 
 
-# Loaded by vLLM (`--middleware artrl_vllm_key_guard.KeyGuard`, from a private folder on its PYTHONPATH): vLLM's
+# Loaded by vLLM (`--middleware artrl_vllm_key_guard.KeyGuard`, from the log folder on its PYTHONPATH): vLLM's
 # own key covers its /v1 routes only, while it also mounts /invocations (generation), /adapters (runtime LoRA
 # loads), /sleep, /wake_up, /collective_rpc... Every route but the four probes needs the key here.
 _KEY_GUARD = '''"""artrl's key check in front of every route of a vLLM server artrl started."""
@@ -83,13 +80,19 @@ class KeyGuard:
 '''
 
 
-@functools.cache
-def key_guard_folder() -> str:
-    """A private folder (0700) holding the guard's module for vLLM to import; removed at exit."""
-    folder = tempfile.mkdtemp(prefix="artrl-vllm-guard-")
-    Path(folder, "artrl_vllm_key_guard.py").write_text(_KEY_GUARD)
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
+def key_guard_folder(beside: Path) -> str:
+    """The folder holding the guard's module for vLLM to import: `beside`/vllm-key-guard (the server's log
+    folder, the run's own: it stays with the logs, where a folder in /tmp was left behind by every process
+    killed before its exit handlers ran). Written whole, then renamed into place."""
+    folder = beside / "vllm-key-guard"
+    module = folder / "artrl_vllm_key_guard.py"
+    if not module.is_file() or module.read_text() != _KEY_GUARD:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")  # (servers starting side by side: each its own)
+        with os.fdopen(fd, "w") as f:
+            f.write(_KEY_GUARD)
+        os.replace(tmp, module)
+    return str(folder)
 
 
 class VLLMStartError(RuntimeError):
@@ -258,12 +261,13 @@ class VLLMServer:
             "PYTHONUNBUFFERED": "1",
             **(config.env if env is None else env),  # env: this server's (VLLMConfig.env and placement)
         }
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (key_guard_folder(), env.get("PYTHONPATH")) if p)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        guard = key_guard_folder(log_path.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (guard, env.get("PYTHONPATH")) if p)
         if config.sleep_while_training:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if Path(model).is_dir():  # a local folder needs no hub (and this machine may have none)
             env.setdefault("HF_HUB_OFFLINE", "1")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(1, PORT_ATTEMPTS + 1):
             port = free_port()
             args[args.index("--port") + 1] = str(port)
