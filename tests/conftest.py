@@ -84,18 +84,25 @@ ENGINES = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory):
-    """family name -> the folder of its tiny fixture model (artrl.local.families.family_models), built on first use,
-    once for all workers (30-70 s each)."""
+    """family name -> the folder of its tiny fixture model (artrl.local.families.family_models): a copy of the
+    one shipped in tests/family_models (family_fixtures.py), or, where that is not today's, built on first use
+    (30-70 s each), once for all workers."""
+    from family_fixtures import shipped_folder
+
     from artrl.local.families.family_models import build_family_model
 
     shared = shared_folder(tmp_path_factory, "family")
 
     def get(family: str) -> Path:
-        folder = shared / family
+        folder, tmp = shared / family, shared / f"{family}.tmp"
         with FileLock(str(shared / f"{family}.lock")):
-            if not folder.exists():  # built aside, then renamed: a folder there is complete
-                shutil.rmtree(shared / f"{family}.tmp", ignore_errors=True)
-                build_family_model(shared / f"{family}.tmp", family).rename(folder)
+            if not folder.exists():  # made aside, then renamed: a folder there is complete
+                shutil.rmtree(tmp, ignore_errors=True)
+                if (shipped_folder(family) / "config.json").exists():  # (a copy: tests may write beside it)
+                    shutil.copytree(shipped_folder(family), tmp)
+                else:
+                    build_family_model(tmp, family)
+                tmp.rename(folder)
         return folder
 
     return get

@@ -39,7 +39,9 @@ def test_artrl_says_what_it_does_unless_the_program_set_up_logging_or_said_off()
     assert len(lines) == 2 and "INFO" in lines[0] and lines[0].endswith("an info line")  # once, not twice
     assert said("plain", ARTRL_LOG_LEVEL="warning").strip().endswith("a warning line")
     assert "an info line" not in said("plain", ARTRL_LOG_LEVEL="WARNING")
-    assert said("plain", ARTRL_LOG_LEVEL="off") == "a warning line\n"  # (Python's own default: warnings, bare)
+    assert (
+        said("plain", ARTRL_LOG_LEVEL="off") == "a warning line\n"
+    )  # (Python's own default: warnings, bare)
     assert "is not a level" in said("plain", ARTRL_LOG_LEVEL="loud")
     # the program's own configuration wins: its ERROR level, its format, no second handler
     assert said("configured") == ""

@@ -12,7 +12,6 @@ import pytest
 from artrl.cli import main
 from artrl.local.families.family_models import FAMILY_MODELS
 
-pytestmark = pytest.mark.slow  # builds the family models
 DOCS = (Path(__file__).parents[3] / "docs" / "model-families.md").read_text()
 
 
@@ -39,11 +38,9 @@ def yes_no(value: bool | None) -> str:
     return "yes" if value else "no"
 
 
-# the families last to first: test_families.py, which CI runs on the other worker at the same time, asks for
-# them first to last, and the first to ask for a family builds it (conftest's family_dirs, 15-35 s each) while
-# anyone else who asks waits. In the same order one worker waited out nearly every build of the other (CI:
-# check-template on qwen3_5 33.7 s, test_families' qwen3_5 setup 32.2 s); in opposite orders each builds
-# about half and finds the rest built
+# the families last to first: test_families.py, which CI may run on the other worker at the same time, asks for
+# them first to last, and the first to ask for a family copies it (or builds it, where the shipped one is not
+# today's: conftest's family_dirs) while anyone else who asks waits
 @pytest.mark.parametrize("family", list(FAMILY_MODELS)[::-1])
 def test_families_match_the_docs(family, family_dirs, capsys):
     folder = str(family_dirs(family))
