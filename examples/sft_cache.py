@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,19 +42,31 @@ async def sft_stage(
     """Fully fine-tune `base_model` on `transcripts()`; the result is cached as a model folder (stage_folder).
     `shipped`: a folder of stages built before; the one of this key, if there, is copied instead of built."""
     folder = stage_folder(base_model, name, config, key_parts, path)
-    if (folder / "config.json").exists():
+    if _complete(folder):
         return str(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if shipped is not None and (shipped / folder.name / "config.json").exists():
-        shutil.copytree(shipped / folder.name, tmp)
-        tmp.rename(folder)
-        print(f"{name}: the copy shipped with the example ({shipped / folder.name})")
-        return str(folder)
-    model = artrl.TrainableModel(name=folder.name, project=project, base_model=base_model, lora=None)
-    await model.register(backend)
-    result = await model.train_sft(transcripts(), config)
-    await model.export(str(tmp))
-    tmp.rename(folder)
-    print(f"{name}: {result.metrics['optimizer_steps']} SFT steps, loss {result.metrics['loss']:.3f}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # made aside (a folder of this process's own: two runs on one --path may reach here together), then renamed
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        if shipped is not None and _complete(shipped / folder.name):
+            shutil.copytree(shipped / folder.name, tmp, dirs_exist_ok=True)
+            made = f"the copy shipped with the example ({shipped / folder.name})"
+        else:
+            model = artrl.TrainableModel(name=folder.name, project=project, base_model=base_model, lora=None)
+            await model.register(backend)
+            result = await model.train_sft(transcripts(), config)
+            await model.export(str(tmp))
+            made = f"{result.metrics['optimizer_steps']} SFT steps, loss {result.metrics['loss']:.3f}"
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not _complete(folder):  # (another run's rename got there first: theirs is the same stage)
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{name}: {made}")
     return str(folder)
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()

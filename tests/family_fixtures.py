@@ -1,8 +1,8 @@
 """The tiny family models the tests run on (artrl.local.families.family_models), shipped in tests/family_models
 as FAMILY-KEY folders, as a test suite elsewhere downloads tiny fixture models from a hub: built once, they are
 the same on every machine, so no test depends on how this machine's floats train them (CI built all seven
-before every run: ~35 s each on a core). KEY hashes what a build depends on in this project (the family's spec,
-family_models.py, the tiny shape); the chat template is trl's at the time of the build, kept in the folder.
+before every run: ~35 s each on a core). KEY hashes what a build depends on: the family's spec, its chat template
+(trl's), family_models.py and the tiny shape.
 
     python tests/family_fixtures.py [FAMILY ...]   # build them anew (all by default), one thread each
 
@@ -22,12 +22,16 @@ SHIPPED = Path(__file__).parent / "family_models"
 
 
 def fixture_key(family: str) -> str:
+    import trl.chat_template_utils as trl_templates
+
     from artrl.config import TINY_MODEL_PRESETS
     from artrl.local.families import family_models
 
+    spec = family_models.FAMILY_MODELS[family]
     parts = [
         family,
-        repr(family_models.FAMILY_MODELS[family]),
+        repr(spec),
+        getattr(trl_templates, spec.chat_template),  # (a trl that changes it: the fixture is built again)
         inspect.getsource(family_models),
         TINY_MODEL_PRESETS["tiny"].model_dump(),
     ]

@@ -144,12 +144,15 @@ def test_the_recipe_runs_end_to_end_and_reports_each_phase(tmp_path):
     assert 0 <= result["zero_variance_first5"] <= 1
     assert "| warm start (step 0) |" in done.stdout and "| trained (step 2) |" in done.stdout
     assert (tmp_path / "curve.png").stat().st_size > 0
-    (tmp_path / "shipped" / "notes").mkdir(parents=True)  # not a stage: --ship leaves it
+    (tmp_path / "shipped" / "tiny-copying-000000000000").mkdir(parents=True)  # another key's stage: replaced
+    (tmp_path / "shipped" / "notes").mkdir()  # not a stage: --ship leaves it
+    (tmp_path / "shipped" / "email-warm-notes.txt").write_text("")  # nor this
     done = run("--ship", str(tmp_path / "shipped"))  # the stages of these settings, from the run's cache
     import stages
 
     names = {f.name for f in stages.stage_folders(_email_train().parse_args(shortened))}
-    assert {f.name for f in (tmp_path / "shipped").iterdir()} == names | {"notes"}, done.stdout
+    kept = {"notes", "email-warm-notes.txt"}
+    assert {f.name for f in (tmp_path / "shipped").iterdir()} == names | kept, done.stdout
     assert all((tmp_path / "shipped" / n / "model.safetensors").is_file() for n in names)
     done = run("--summary", str(ruler), "--reward", "ruler")
     assert "smoke run" in done.stdout and "dropping a group" in done.stderr + done.stdout
@@ -157,7 +160,7 @@ def test_the_recipe_runs_end_to_end_and_reports_each_phase(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.longest  # ~4-5 min on one core: it starts first in CI (see conftest)
+@pytest.mark.longest  # ~3 min on one core: it starts first in CI (see conftest)
 def test_the_recipe_learns(tmp_path):
     """train.py with its defaults, shortened to 32 GRPO steps, in one process (--in-process: CI gives each test
     one core's share, where the service's child process, train.py's default and faster on 2 free cores, costs
@@ -167,6 +170,12 @@ def test_the_recipe_learns(tmp_path):
     pretrained); the test above builds both stages itself, shortened. GRPO's pace depends on the CPU's float
     order. On one thread of a 2-core Intel Xeon, from the shipped stages: see the README's "Measured". One
     standard error on 64 questions is <= 0.06."""
+    import stages
+
+    defaults = stages.stage_folders(_email_train().parse_args(["--path", str(tmp_path / "artrl")]))
+    assert all((stages.SHIPPED / f.name).is_dir() for f in defaults), (
+        "see test_the_shipped_stages_are_the_default_recipe"
+    )
     summary = tmp_path / "summary.json"
     done = subprocess.run(
         [

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))
 import email_env as env
 import inbox as inboxes
-from stages import SHIPPED, ship, stand_in, warm_start
+from stages import SHIPPED, ship, stage_folders, stand_in, warm_start
 
 import artrl
 
@@ -107,6 +107,17 @@ def _ruler(args: argparse.Namespace, model: artrl.TrainableModel, questions: dic
 
 
 async def main(args: argparse.Namespace) -> dict:
+    if args.ship:
+        if Path(args.ship).resolve() == SHIPPED.resolve() and stage_folders(args) != stage_folders(
+            parse_args(["--path", args.path])
+        ):
+            raise SystemExit(
+                "--ship without DIR makes the stages shipped in models/, the defaults': these settings are not "
+                "(give a DIR)"
+            )
+        os.environ["OMP_NUM_THREADS"] = (
+            "1"  # (before torch starts: one thread, the build whatever the machine)
+        )
     started = time.perf_counter()
     seconds: dict[str, float] = {}
     data = Path(args.path) / "email-data"

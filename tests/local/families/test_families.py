@@ -20,7 +20,7 @@ import artrl
 from artrl.local.families.family_models import FAMILY_MODELS, FIXTURE_TOOLS, fixture_conversation
 from artrl.local.train.rows import trajectory_rows
 
-pytestmark = pytest.mark.slow  # each family builds its tiny model (~15 s)
+pytestmark = pytest.mark.slow  # serves each family's tiny model, and trains it
 REASONS = {"qwen3", "gpt_oss", "glm4_5"}  # families whose fixtures think by default
 VLLM_FAMILIES = ("llama3_1", "gpt_oss")  # (each starts a vLLM server: ~40 s of CI)
 CASES = [pytest.param((f, "hf"), id=f"{f}-hf") for f in FAMILY_MODELS] + [

@@ -15,7 +15,7 @@ import pytest
 import artrl
 from artrl.local.families.family_models import FIXTURE_TOOLS
 
-pytestmark = pytest.mark.slow  # builds the family's tiny model (~15 s)
+pytestmark = pytest.mark.slow  # serves and trains a family's tiny model
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 TASK = "Look up paris. Then add 2 and 5."
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in FIXTURE_TOOLS]

@@ -494,3 +494,23 @@ async def test_the_client_of_an_event_loop_that_ended_is_dropped():
     assert list(engine._clients) == [asyncio.get_running_loop()]
     await engine.close()
     fake.stop()
+
+
+def test_the_key_guard_module_is_written_into_the_log_folder_once(tmp_path, monkeypatch):
+    """vLLM imports artrl's key guard from the server's log folder (a relative one made absolute); a stale copy
+    is replaced whole, and no temporary file stays behind."""
+    from pathlib import Path
+
+    from artrl.local.engine.vllm.server import key_guard_folder
+
+    monkeypatch.chdir(tmp_path)
+    folder = Path(key_guard_folder(Path("logs")))
+    assert folder == tmp_path / "logs" / "vllm-key-guard"
+    module = folder / "artrl_vllm_key_guard.py"
+    assert "class KeyGuard" in module.read_text()
+    written = module.stat().st_mtime_ns
+    assert key_guard_folder(tmp_path / "logs") == str(folder) and module.stat().st_mtime_ns == written
+    module.write_text("stale")
+    key_guard_folder(tmp_path / "logs")
+    assert "class KeyGuard" in module.read_text()
+    assert [p.name for p in folder.iterdir()] == ["artrl_vllm_key_guard.py"]

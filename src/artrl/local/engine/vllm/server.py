@@ -84,14 +84,18 @@ def key_guard_folder(beside: Path) -> str:
     """The folder holding the guard's module for vLLM to import: `beside`/vllm-key-guard (the server's log
     folder, the run's own: it stays with the logs, where a folder in /tmp was left behind by every process
     killed before its exit handlers ran). Written whole, then renamed into place."""
-    folder = beside / "vllm-key-guard"
+    folder = beside.resolve() / "vllm-key-guard"  # (absolute: it goes on the server's PYTHONPATH)
     module = folder / "artrl_vllm_key_guard.py"
     if not module.is_file() or module.read_text() != _KEY_GUARD:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")  # (servers starting side by side: each its own)
-        with os.fdopen(fd, "w") as f:
-            f.write(_KEY_GUARD)
-        os.replace(tmp, module)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(_KEY_GUARD)
+            os.replace(tmp, module)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     return str(folder)
 
 
