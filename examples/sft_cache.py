@@ -8,13 +8,26 @@ stands in for another recipe; it is built as before."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import artrl
+
+TINY_MODEL_CODE = ("artrl.local.models.tiny_model", "artrl.local.models.chat_template")
+
+
+def tiny_model_parts() -> list:
+    """What makes the project's tiny model (its shape, the code of its weights, tokenizer and template): key parts
+    of a stage trained from it, which names it by its folder alone. The code is read, not imported (torch)."""
+    from artrl.config import TINY_MODEL_PRESETS
+
+    sources = [Path(importlib.util.find_spec(m).origin).read_text() for m in TINY_MODEL_CODE]
+    return [TINY_MODEL_PRESETS["tiny"].model_dump(), *sources]
 
 
 def stage_folder(base_model: str, name: str, config: artrl.SFTConfig, key_parts: list, path: str) -> Path:
@@ -70,3 +83,20 @@ async def sft_stage(
 
 def _complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def publish(built: list[Path], into: Path, names: tuple[str, ...]) -> list[str]:
+    """Make the stage folders `built` the ones in `into` (an example's shipped stages): other folders of those
+    stage names (NAME-KEY) there are removed, nothing else is touched; each is copied aside, then renamed."""
+    stage = re.compile(rf"({'|'.join(map(re.escape, names))})-[0-9a-f]{{12}}(\.tmp)?")
+    into.mkdir(parents=True, exist_ok=True)
+    for old in into.iterdir():
+        if old.is_dir() and stage.fullmatch(old.name) and old.name not in {b.name for b in built}:
+            shutil.rmtree(old)
+    for folder in built:
+        if not (into / folder.name).exists():
+            tmp = into / f"{folder.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(folder, tmp)
+            tmp.rename(into / folder.name)
+    return [str(into / b.name) for b in built]

@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -37,8 +35,8 @@ import artrl
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maze_env as env
-import tool_reading
-from sft_cache import sft_stage
+from maze_stages import SHIPPED, STAND_IN, pretrained_tiny_model, stand_in_folder, warm_start
+from sft_cache import publish
 
 TARGET_GAIN = 0.30  # the gain in validation success the demo must show (issue 4)
 # per-step train metrics kept in the summary: the train/inference mismatch monitor and the step's phases
@@ -71,41 +69,6 @@ async def evaluate(
     }
 
 
-async def pretrained_tiny_model(backend: artrl.LocalBackend, args: argparse.Namespace) -> str:
-    """The project's tiny model after the stand-in for pretraining: generic tool-reading conversations
-    (see tool_reading.py; a hub model needs no such stage)."""
-    tiny = str(artrl.ensure_tiny_model(Path(args.path) / "models" / "tiny"))
-    if not args.pretrain_examples:
-        return tiny
-    return await sft_stage(
-        backend,
-        tiny,
-        "tiny-tool-reading",
-        lambda: tool_reading.corpus(args.pretrain_examples),
-        artrl.SFTConfig(learning_rate=args.pretrain_lr, epochs=1, batch_size=16, seed=0),
-        [args.pretrain_examples, inspect.getsource(tool_reading)],
-        args.path,
-        project="maze",
-    )
-
-
-async def warm_start(backend: artrl.LocalBackend, base_model: str, args: argparse.Namespace) -> str:
-    """SFT of `base_model` on a weak walker's transcripts: well-formed calls, a poor player."""
-
-    def transcripts() -> list[artrl.Trajectory]:
-        rng = random.Random(0)
-        return [
-            env.weak_transcript(s, rng, i, args.warm_skill)
-            for i, s in enumerate(env.scenarios("train", args.sft_examples, 0))
-        ]
-
-    config = artrl.SFTConfig(learning_rate=args.sft_lr, epochs=args.sft_epochs, batch_size=16, seed=0)
-    key = [args.sft_examples, args.warm_skill, inspect.getsource(env.weak_transcript)]
-    return await sft_stage(
-        backend, base_model, "maze-warm", transcripts, config, key, args.path, project="maze"
-    )
-
-
 def plot(history: list[dict], val_points: list[tuple[int, float, float]], out: Path, title: str) -> None:
     import matplotlib
 
@@ -135,6 +98,14 @@ def plot(history: list[dict], val_points: list[tuple[int, float, float]], out: P
 
 
 async def main(args: argparse.Namespace) -> dict:
+    if args.ship:
+        if Path(args.ship).resolve() == SHIPPED.resolve() and stand_in_folder(args) != stand_in_folder(
+            parse_args(["--path", args.path])
+        ):
+            raise SystemExit("--ship without DIR makes the shipped stand-in, the defaults': give a DIR")
+        os.environ["OMP_NUM_THREADS"] = (
+            "1"  # (before torch starts: one thread, the build whatever the machine)
+        )
     timings: dict[str, float] = {}
     started = time.perf_counter()
     # the service (engine, gateway, trainer) in a child process, the agents here (--in-process: all in this one)
@@ -144,8 +115,13 @@ async def main(args: argparse.Namespace) -> dict:
         artrl.LocalBackend(path=args.path, engine=engine, in_process=args.in_process) as backend,
         contextlib.AsyncExitStack() as stack,
     ):
+        if args.ship:
+            built = await pretrained_tiny_model(backend, args, shipped=None)
+            print("shipped: " + ", ".join(publish([Path(built)], Path(args.ship), (STAND_IN,))))
+            return {"shipped": built}
         t = time.perf_counter()
-        base_model = args.base_model or await pretrained_tiny_model(backend, args)
+        shipped = SHIPPED if args.shipped else None
+        base_model = args.base_model or await pretrained_tiny_model(backend, args, shipped)
         timings["pretraining"] = 0.0 if args.base_model else time.perf_counter() - t
         t = time.perf_counter()
         warm = await warm_start(backend, base_model, args)
@@ -336,6 +312,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pretrain-examples", type=int, default=4096, help="tiny model only: pretraining stand-in (0: none)"
     )
     parser.add_argument("--pretrain-lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--shipped",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="take the pretraining stand-in shipped in examples/models where it is these settings' (--no-shipped: "
+        "build it, ~35 s)",
+    )
+    parser.add_argument(
+        "--ship",
+        nargs="?",
+        const=str(SHIPPED),
+        default=None,
+        metavar="DIR",
+        help="build the pretraining stand-in of these settings, make it the one in DIR (default: examples/models, "
+        "the shipped one: run it with the defaults after changing tool_reading.py or the tiny model) and stop",
+    )
     parser.add_argument("--sft-examples", type=int, default=1024)
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
@@ -379,7 +371,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="build (or find) the warm start, print its folder, stop",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.ship and (args.base_model or not args.pretrain_examples):
+        parser.error(
+            "--ship builds the tiny model's pretraining stand-in: no --base-model, no --pretrain-examples 0"
+        )
+    return args
 
 
 if __name__ == "__main__":

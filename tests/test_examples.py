@@ -77,6 +77,22 @@ def test_tool_reading_corpus_passes_the_pointed_value_to_the_next_call():
 
 
 @pytest.mark.slow
+def test_the_shipped_stand_in_is_the_demos_default():
+    """examples/models holds the maze demo's pretraining stand-in under the key today's code gives the defaults
+    (maze_stages.py): a change to tool_reading.py or the tiny model needs it built again, else every demo run
+    builds its own (~35 s)."""
+    import maze_stages
+    import train_agent
+
+    expected = maze_stages.stand_in_folder(train_agent.parse_args(["--path", "anywhere"])).name
+    shipped = sorted(p.name for p in maze_stages.SHIPPED.iterdir())
+    assert shipped == [expected], (
+        f"examples/models holds {shipped}, the demo's stand-in is {expected}: run `python examples/train_agent.py "
+        "--ship` and commit examples/models"
+    )
+    assert (maze_stages.SHIPPED / expected / "model.safetensors").is_file()
+
+
 def test_tool_agent_demo(tmp_path):
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "tool_agent.py"), "--path", str(tmp_path), "--rollouts", "2"],

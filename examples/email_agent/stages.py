@@ -11,12 +11,9 @@ the defaults' keys."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import itertools
 import random
-import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -24,28 +21,20 @@ sys.path.insert(1, str(Path(__file__).parent.parent))
 import copying
 import email_env as env
 import inbox as inboxes
-from sft_cache import sft_stage, stage_folder
+from sft_cache import publish, sft_stage, stage_folder, tiny_model_parts
 
 import artrl
-from artrl.config import TINY_MODEL_PRESETS
 
 SHIPPED = Path(__file__).parent / "models"
 STAGE_NAMES = ("tiny-copying", "email-warm")  # (their cache folders: NAME-KEY)
-TINY_MODEL_CODE = ("artrl.local.models.tiny_model", "artrl.local.models.chat_template")
 WARM_INBOX_MESSAGES = 1000  # the warm start's inboxes (seeds 1, 2, ...; RL trains on seed 0's)
-
-
-def _source(module: str) -> str:
-    """A module's code, read without importing it (artrl's tiny model would import torch)."""
-    return Path(importlib.util.find_spec(module).origin).read_text()
 
 
 def stand_in_recipe(args: argparse.Namespace) -> tuple[artrl.SFTConfig, list]:
     """The stand-in's SFT settings and what else determines it (its cache key's parts): the corpus's code and
     the tiny model it trains (its shape, and the code that makes its weights, tokenizer and template)."""
     config = artrl.SFTConfig(learning_rate=args.copy_lr, batch_size=16, seed=0)
-    tiny = [TINY_MODEL_PRESETS["tiny"].model_dump(), *map(_source, TINY_MODEL_CODE)]
-    return config, [args.copy_examples, inspect.getsource(copying), *tiny]
+    return config, [args.copy_examples, inspect.getsource(copying), *tiny_model_parts()]
 
 
 def warm_recipe(args: argparse.Namespace) -> tuple[artrl.SFTConfig, list]:
@@ -113,22 +102,9 @@ async def warm_start(
     )
 
 
-STAGE_FOLDER = re.compile(rf"({'|'.join(STAGE_NAMES)})-[0-9a-f]{{12}}(\.tmp)?")  # (a stage's cache folder)
-
-
 async def ship(backend: artrl.LocalBackend, args: argparse.Namespace, into: Path = SHIPPED) -> list[str]:
     """`train.py --ship [DIR]`: build both stages for these settings (or take them from --path's cache: the same
     key) and make them the ones in `into`, in place of other stage folders there (nothing else is touched)."""
     stand = await stand_in(backend, args, shipped=None)
     built = [Path(stand), Path(await warm_start(backend, stand, args, shipped=None))]
-    into.mkdir(parents=True, exist_ok=True)
-    for old in into.iterdir():
-        if old.is_dir() and STAGE_FOLDER.fullmatch(old.name) and old.name not in {b.name for b in built}:
-            shutil.rmtree(old)
-    for folder in built:
-        if not (into / folder.name).exists():  # copied aside, then renamed: a folder there is complete
-            tmp = into / f"{folder.name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(folder, tmp)
-            tmp.rename(into / folder.name)
-    return [str(into / b.name) for b in built]
+    return publish(built, into, STAGE_NAMES)
