@@ -11,7 +11,8 @@ with PYTHONPATH pointing at its `src`.
         otherwise), `ignore_eos` where the gateway knows it; per child process one warm-up run, then
         --runs-per-child measured runs (their median is the child's figure);
   demo  the demo from scratch (each tree's own `examples/train_agent.py` with its own defaults, fresh
-        --path): wall seconds, and the validation success at steps 0 and 10.
+        --path): wall seconds, and the validation success at steps 0 and 10. (Since 44040da a tree copies its
+        shipped pretraining stand-in where older ones build it: a like-for-like run passes --no-shipped to it.)
 
     git worktree add /tmp/base 94fbe1f
     .venv/bin/python benchmarks/bench_against_commit.py --baseline /tmp/base [--parts b,demo] [--rounds 3]

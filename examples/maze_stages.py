@@ -16,7 +16,7 @@ from pathlib import Path
 
 import maze_env as env
 import tool_reading
-from sft_cache import sft_stage, stage_folder, tiny_model_parts
+from sft_cache import complete_stage, sft_stage, stage_folder, tiny_model_parts
 
 import artrl
 
@@ -44,7 +44,7 @@ async def pretrained_tiny_model(
     tiny = Path(args.path) / "models" / "tiny"
     name = stand_in_folder(args).name
     if not args.pretrain_examples or not any(
-        (folder / name / "config.json").exists() for folder in (tiny.parent, shipped) if folder
+        complete_stage(folder / name) for folder in (tiny.parent, shipped) if folder
     ):  # (what the stand-in is trained from)
         artrl.ensure_tiny_model(tiny)
     if not args.pretrain_examples:

@@ -55,13 +55,13 @@ async def sft_stage(
     """Fully fine-tune `base_model` on `transcripts()`; the result is cached as a model folder (stage_folder).
     `shipped`: a folder of stages built before; the one of this key, if there, is copied instead of built."""
     folder = stage_folder(base_model, name, config, key_parts, path)
-    if _complete(folder):
+    if complete_stage(folder):
         return str(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # made aside (a folder of this process's own: two runs on one --path may reach here together), then renamed
     tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", suffix=".tmp", dir=folder.parent))
     try:
-        if shipped is not None and _complete(shipped / folder.name):
+        if shipped is not None and complete_stage(shipped / folder.name):
             shutil.copytree(shipped / folder.name, tmp, dirs_exist_ok=True)
             made = f"the copy shipped with the example ({shipped / folder.name})"
         else:
@@ -73,7 +73,7 @@ async def sft_stage(
         try:
             tmp.rename(folder)
         except OSError:
-            if not _complete(folder):  # (another run's rename got there first: theirs is the same stage)
+            if not complete_stage(folder):  # (another run's rename got there first: theirs is the same stage)
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -81,7 +81,8 @@ async def sft_stage(
     return str(folder)
 
 
-def _complete(folder: Path) -> bool:
+def complete_stage(folder: Path) -> bool:
+    """A stage's folder is there whole (config and weights)."""
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 

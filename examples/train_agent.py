@@ -3,7 +3,8 @@
     python examples/train_agent.py [--base-model DIR_OR_HUB_ID] [--seed 0] [--steps N] [--report-to wandb]
 
 1. warm start (cached under --path/models): on the project's tiny model, first a stand-in for pretraining
-   (generic tool-reading conversations, `tool_reading.py`; skipped with --base-model), then supervised
+   (generic tool-reading conversations, `tool_reading.py`; shipped in examples/models and copied, --no-shipped
+   builds it: maze_stages.py; skipped with --base-model), then supervised
    fine-tuning on transcripts of a weak walker (well-formed `move` calls, toward the breeze only with
    probability --warm-skill, a random direction otherwise) — the model learns the format, not the task;
 2. validation before training (mazes that training never sees), and every --eval-every steps, each next to

@@ -221,3 +221,16 @@ def test_the_shipped_stages_are_the_default_recipe():
     for name in expected:
         for part in ("config.json", "model.safetensors", "tokenizer.json"):
             assert (stages.SHIPPED / name / part).is_file(), (name, part)
+
+
+def test_a_default_run_copies_the_shipped_stages_without_building_anything(tmp_path):
+    """With the defaults, train.py's first two phases copy the shipped folders: no backend, no tiny model built."""
+    import asyncio
+
+    import stages
+
+    args = _email_train().parse_args(["--path", str(tmp_path)])
+    stand = asyncio.run(stages.stand_in(None, args))
+    warm = asyncio.run(stages.warm_start(None, stand, args))
+    assert [stand, warm] == [str(f) for f in stages.stage_folders(args)]
+    assert (Path(warm) / "model.safetensors").is_file() and not (tmp_path / "models" / "tiny").exists()

@@ -76,7 +76,6 @@ def test_tool_reading_corpus_passes_the_pointed_value_to_the_next_call():
         assert messages[-1]["content"].endswith(f" is {next(iter(pointed.values()))}.")
 
 
-@pytest.mark.slow
 def test_the_shipped_stand_in_is_the_demos_default():
     """examples/models holds the maze demo's pretraining stand-in under the key today's code gives the defaults
     (maze_stages.py): a change to tool_reading.py or the tiny model needs it built again, else every demo run
@@ -93,6 +92,20 @@ def test_the_shipped_stand_in_is_the_demos_default():
     assert (maze_stages.SHIPPED / expected / "model.safetensors").is_file()
 
 
+def test_a_default_run_copies_the_shipped_stand_in_without_building_anything(tmp_path):
+    """The copy needs no backend and builds no tiny model: what the demo's first phase does with the defaults."""
+    import asyncio
+
+    import maze_stages
+    import train_agent
+
+    args = train_agent.parse_args(["--path", str(tmp_path)])
+    folder = asyncio.run(maze_stages.pretrained_tiny_model(None, args))
+    assert folder == str(maze_stages.stand_in_folder(args))
+    assert (Path(folder) / "model.safetensors").is_file() and not (tmp_path / "models" / "tiny").exists()
+
+
+@pytest.mark.slow
 def test_tool_agent_demo(tmp_path):
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "tool_agent.py"), "--path", str(tmp_path), "--rollouts", "2"],

@@ -21,7 +21,7 @@ sys.path.insert(1, str(Path(__file__).parent.parent))
 import copying
 import email_env as env
 import inbox as inboxes
-from sft_cache import publish, sft_stage, stage_folder, tiny_model_parts
+from sft_cache import complete_stage, publish, sft_stage, stage_folder, tiny_model_parts
 
 import artrl
 
@@ -65,7 +65,7 @@ async def stand_in(
     tiny = Path(args.path) / "models" / "tiny"
     ready = stage_folders(args)[0].name
     if not args.copy_examples or not any(
-        (folder / ready / "config.json").exists() for folder in (tiny.parent, shipped) if folder
+        complete_stage(folder / ready) for folder in (tiny.parent, shipped) if folder
     ):  # (the tiny model's tokenizer and random weights: what the stand-in is trained from)
         artrl.ensure_tiny_model(tiny)
     if not args.copy_examples:
