@@ -107,17 +107,8 @@ def _ruler(args: argparse.Namespace, model: artrl.TrainableModel, questions: dic
 
 
 async def main(args: argparse.Namespace) -> dict:
-    if args.ship:
-        if Path(args.ship).resolve() == SHIPPED.resolve() and stage_folders(args) != stage_folders(
-            parse_args(["--path", args.path])
-        ):
-            raise SystemExit(
-                "--ship without DIR makes the stages shipped in models/, the defaults': these settings are not "
-                "(give a DIR)"
-            )
-        os.environ["OMP_NUM_THREADS"] = (
-            "1"  # (before torch starts: one thread, the build whatever the machine)
-        )
+    if args.ship:  # (before torch starts: one thread, the same build whatever the machine)
+        os.environ["OMP_NUM_THREADS"] = "1"
     started = time.perf_counter()
     seconds: dict[str, float] = {}
     data = Path(args.path) / "email-data"
@@ -394,6 +385,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ship and (args.base_model or not args.copy_examples or not args.warm_examples):
         p.error(
             "--ship builds the tiny model's two stages: it takes no --base-model, --copy-examples 0 or --warm-examples 0"
+        )
+    defaults = args.ship and Path(args.ship).resolve() == SHIPPED.resolve()  # (--ship without DIR)
+    if defaults and stage_folders(args) != stage_folders(parse_args(["--path", args.path])):
+        p.error(
+            "--ship without DIR makes the shipped stages, the defaults': these settings are not (give a DIR)"
         )
     return args
 
