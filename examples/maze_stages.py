@@ -16,7 +16,7 @@ from pathlib import Path
 
 import maze_env as env
 import tool_reading
-from sft_cache import complete_stage, sft_stage, stage_folder, tiny_model_parts
+from sft_cache import sft_stage, stage_folder, tiny_model_parts
 
 import artrl
 
@@ -41,17 +41,11 @@ async def pretrained_tiny_model(
     """The project's tiny model after the stand-in for pretraining: generic tool-reading conversations
     (see tool_reading.py; a hub model needs no such stage). The defaults' comes with the example (models/): a run
     copies it, as a hub model arrives pretrained, rather than build it (~35 s on one core); --no-shipped builds."""
-    tiny = Path(args.path) / "models" / "tiny"
-    name = stand_in_folder(args).name
-    if not args.pretrain_examples or not any(
-        complete_stage(folder / name) for folder in (tiny.parent, shipped) if folder
-    ):  # (what the stand-in is trained from)
-        artrl.ensure_tiny_model(tiny)
     if not args.pretrain_examples:
-        return str(tiny)
+        return str(artrl.ensure_tiny_model(Path(args.path) / "models" / "tiny"))
     corpus = lambda: tool_reading.corpus(args.pretrain_examples)  # noqa: E731
     config, parts = pretrain_recipe(args)
-    return await sft_stage(backend, str(tiny), STAND_IN, corpus, config, parts, args.path, "maze", shipped)
+    return await sft_stage(backend, None, STAND_IN, corpus, config, parts, args.path, "maze", shipped)
 
 
 async def warm_start(backend: artrl.LocalBackend, base_model: str, args: argparse.Namespace) -> str:

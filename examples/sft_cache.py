@@ -7,6 +7,7 @@ stands in for another recipe; it is built as before."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import json
@@ -41,9 +42,29 @@ def stage_folder(base_model: str, name: str, config: artrl.SFTConfig, key_parts:
     return models / f"{name}-{key}"
 
 
+def add_shipping_args(parser, shipped: Path, what: str) -> None:
+    """The examples' --shipped/--no-shipped and --ship [DIR] options, for the stages `what` names."""
+    parser.add_argument(
+        "--shipped",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"take the {what} shipped in {shipped.parent.name}/{shipped.name} where it is these settings' "
+        "(the key: see the example's stages module); --no-shipped builds it",
+    )
+    parser.add_argument(
+        "--ship",
+        nargs="?",
+        const=str(shipped),
+        default=None,
+        metavar="DIR",
+        help=f"build the {what} of these settings, make it the one in DIR (default: the shipped one; run it "
+        "with the defaults after changing what its key covers) and stop",
+    )
+
+
 async def sft_stage(
     backend: artrl.LocalBackend,
-    base_model: str,
+    base_model: str | None,
     name: str,
     transcripts: Callable[[], list[artrl.Trajectory]],
     config: artrl.SFTConfig,
@@ -53,8 +74,10 @@ async def sft_stage(
     shipped: Path | None = None,
 ) -> str:
     """Fully fine-tune `base_model` on `transcripts()`; the result is cached as a model folder (stage_folder).
-    `shipped`: a folder of stages built before; the one of this key, if there, is copied instead of built."""
-    folder = stage_folder(base_model, name, config, key_parts, path)
+    `shipped`: a folder of stages built before; the one of this key, if there, is copied instead of built.
+    `base_model` None: the project's tiny model (--path/models/tiny), built only when the stage is built."""
+    tiny = Path(path) / "models" / "tiny"
+    folder = stage_folder(base_model or str(tiny), name, config, key_parts, path)
     if complete_stage(folder):
         return str(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +88,8 @@ async def sft_stage(
             shutil.copytree(shipped / folder.name, tmp, dirs_exist_ok=True)
             made = f"the copy shipped with the example ({shipped / folder.name})"
         else:
+            if base_model is None:  # (its tokenizer and random weights: what the stage trains)
+                base_model = str(artrl.ensure_tiny_model(tiny))
             model = artrl.TrainableModel(name=folder.name, project=project, base_model=base_model, lora=None)
             await model.register(backend)
             result = await model.train_sft(transcripts(), config)

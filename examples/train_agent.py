@@ -37,7 +37,7 @@ import artrl
 sys.path.insert(0, str(Path(__file__).parent))
 import maze_env as env
 from maze_stages import SHIPPED, STAND_IN, pretrained_tiny_model, stand_in_folder, warm_start
-from sft_cache import publish
+from sft_cache import add_shipping_args, publish
 
 TARGET_GAIN = 0.30  # the gain in validation success the demo must show (issue 4)
 # per-step train metrics kept in the summary: the train/inference mismatch monitor and the step's phases
@@ -313,22 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pretrain-examples", type=int, default=4096, help="tiny model only: pretraining stand-in (0: none)"
     )
     parser.add_argument("--pretrain-lr", type=float, default=3e-3)
-    parser.add_argument(
-        "--shipped",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="take the pretraining stand-in shipped in examples/models where it is these settings' (--no-shipped: "
-        "build it, ~35 s)",
-    )
-    parser.add_argument(
-        "--ship",
-        nargs="?",
-        const=str(SHIPPED),
-        default=None,
-        metavar="DIR",
-        help="build the pretraining stand-in of these settings, make it the one in DIR (default: examples/models, "
-        "the shipped one: run it with the defaults after changing tool_reading.py or the tiny model) and stop",
-    )
+    add_shipping_args(parser, SHIPPED, "pretraining stand-in")
     parser.add_argument("--sft-examples", type=int, default=1024)
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--sft-lr", type=float, default=3e-3)

@@ -21,7 +21,7 @@ sys.path.insert(1, str(Path(__file__).parent.parent))
 import copying
 import email_env as env
 import inbox as inboxes
-from sft_cache import complete_stage, publish, sft_stage, stage_folder, tiny_model_parts
+from sft_cache import publish, sft_stage, stage_folder, tiny_model_parts
 
 import artrl
 
@@ -62,18 +62,11 @@ async def stand_in(
     backend: artrl.LocalBackend, args: argparse.Namespace, shipped: Path | None = SHIPPED
 ) -> str:
     """The tiny model after SFT on the copying corpus (the tiny model itself with --copy-examples 0)."""
-    tiny = Path(args.path) / "models" / "tiny"
-    ready = stage_folders(args)[0].name
-    if not args.copy_examples or not any(
-        complete_stage(folder / ready) for folder in (tiny.parent, shipped) if folder
-    ):  # (the tiny model's tokenizer and random weights: what the stand-in is trained from)
-        artrl.ensure_tiny_model(tiny)
     if not args.copy_examples:
-        return str(tiny)
+        return str(artrl.ensure_tiny_model(Path(args.path) / "models" / "tiny"))
     corpus = lambda: copying.corpus(args.copy_examples)  # noqa: E731
-    return await sft_stage(
-        backend, str(tiny), STAGE_NAMES[0], corpus, *stand_in_recipe(args), args.path, "email", shipped
-    )
+    config, parts = stand_in_recipe(args)
+    return await sft_stage(backend, None, STAGE_NAMES[0], corpus, config, parts, args.path, "email", shipped)
 
 
 async def warm_start(

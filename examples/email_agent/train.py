@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))
 import email_env as env
 import inbox as inboxes
+from sft_cache import add_shipping_args
 from stages import SHIPPED, ship, stage_folders, stand_in, warm_start
 
 import artrl
@@ -329,22 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--copy-examples", type=int, default=32768, help="tiny model: the stand-in's size (0: none)"
     )
     p.add_argument("--copy-lr", type=float, default=3e-3)
-    p.add_argument(
-        "--shipped",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="take the stand-in and warm start shipped in models/ where they are these settings' (stages.py); "
-        "--no-shipped builds them",
-    )
-    p.add_argument(
-        "--ship",
-        nargs="?",
-        const=str(SHIPPED),
-        default=None,
-        metavar="DIR",
-        help="build the stand-in and warm start of these settings, make them the ones in DIR (default: models/, "
-        "the shipped ones: run it with the defaults after changing what their key covers, see stages.py) and stop",
-    )
+    add_shipping_args(p, SHIPPED, "stand-in and warm start")
     p.add_argument(
         "--warm-examples",
         type=int,
