@@ -10,8 +10,9 @@ LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client n
 sessions); then sequential 1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*:
 this process's CPU time per 1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the
 gateway's for artrl (the gateway runs here, `model.openai_client()` reaches it without a socket), so the
-difference is the gateway's. `--direct-logprobs`: the direct calls ask for each token's logprob too, as
-artrl's gateway always asks vLLM (the like-for-like of an RL trainer's request).
+difference is the gateway's. *vLLM direct + logprobs*: the same direct calls asking for each sampled
+token's logprob too, as artrl's gateway always asks vLLM (an RL trainer's request: GRPO's importance
+weights need them), so that vLLM does the same work for both.
 
     .venv/bin/python benchmarks/bench_vllm_path.py [--quick] [--out benchmarks/RESULTS.md]
 
@@ -35,7 +36,8 @@ import harness
 from bench_rollouts import CALL_TIMEOUT_S, Endpoint, RunStats, Workload, one_token_ms, run_sessions
 
 SECTION_HEADING = "## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_path.py)"
-LABELS = ("artrl+vLLM", "vLLM direct")
+LABELS = ("artrl+vLLM", "vLLM direct", "vLLM direct + logprobs")
+DIRECT = LABELS[1:]
 
 
 def runs_at(sessions: int, runs: int) -> int:
@@ -53,7 +55,8 @@ async def measured(ep: Endpoint, work: Workload, run: str) -> tuple[RunStats, fl
 
 async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namespace) -> list[str]:
     """The phase's table rows; its headline (ratios per session count, ms added per call) into args.headline."""
-    rows, ratios = [], []
+    rows: list[str] = []
+    ratios: dict[str, list[str]] = {label: [] for label in DIRECT}
     for sessions in args.sessions:
         work = Workload("v", "tiny", sessions, args.turns, args.max_tokens)
         for label in LABELS:  # warm-up
@@ -68,7 +71,8 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
                     f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s", flush=True
                 )
         tok_s = {label: statistics.median(s.tok_s for s, _ in runs[label]) for label in LABELS}
-        ratios.append(f"{tok_s['artrl+vLLM'] / tok_s['vLLM direct']:.2f}x")
+        for label in DIRECT:
+            ratios[label].append(f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x")
         for label in LABELS:
             stats = [s for s, _ in runs[label]]
             calls = [ms for s in stats for ms in s.latencies_ms]
@@ -84,12 +88,18 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
     for r in range(args.runs):
         for label in harness.alternating(LABELS, r):
             ms[label] += await one_token_ms(endpoints[label], args.calls)
-    added = statistics.median(ms["artrl+vLLM"]) - statistics.median(ms["vLLM direct"])
+    ours = statistics.median(ms["artrl+vLLM"])
+    added = {label: ours - statistics.median(ms[label]) for label in DIRECT}
     sessions = "/".join(str(n) for n in args.sessions)
-    args.headline.append(f"{name} {'/'.join(ratios)} ({sessions} sessions), {added:+.1f} ms a 1-token call")
+    args.headline.append(
+        f"{name} {'/'.join(ratios['vLLM direct'])} ({sessions} sessions), {added['vLLM direct']:+.1f} ms a "
+        f"1-token call (against direct + logprobs: {'/'.join(ratios['vLLM direct + logprobs'])}, "
+        f"{added['vLLM direct + logprobs']:+.1f} ms)"
+    )
     rows.append(
-        f"| {name} | 1-token calls | | | | {statistics.median(ms['artrl+vLLM']):.1f} ms vs "
-        f"{statistics.median(ms['vLLM direct']):.1f} ms: **{added:+.1f} ms per call** | | | |"
+        f"| {name} | 1-token calls | | | | {ours:.1f} ms vs "
+        + ", ".join(f"{statistics.median(ms[label]):.1f} ms ({label})" for label in DIRECT)
+        + f": **{added['vLLM direct']:+.1f} ms per call** | | | |"
     )
     return rows
 
@@ -128,6 +138,7 @@ async def run(args: argparse.Namespace) -> list[str]:
             model = artrl.TrainableModel(name="path", project="bench", base_model=str(folder))
             await model.register(backend)
             engine = backend.service(model).engine
+            args.wire_used = engine.wire  # ('auto' resolved)
             if args.pin and engine.server is not None:
                 bound, ours = harness.pin_away_from(engine.server.process.pid)
                 args.pinned = (
@@ -136,19 +147,21 @@ async def run(args: argparse.Namespace) -> list[str]:
             direct = openai.AsyncOpenAI(
                 base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
             )
-            direct_body = {"ignore_eos": True, **({"logprobs": True} if args.direct_logprobs else {})}
+            plain, logprobs = {"ignore_eos": True}, {"ignore_eos": True, "logprobs": True}
             try:
                 gateway = Endpoint(model.openai_client(), model.name, {"ignore_eos": True})
                 base = {
                     "artrl+vLLM": gateway,
-                    "vLLM direct": Endpoint(direct, engine.served_name, direct_body),
+                    "vLLM direct": Endpoint(direct, engine.served_name, plain),
+                    "vLLM direct + logprobs": Endpoint(direct, engine.served_name, logprobs),
                 }
                 rows += await phase("base", base, args)
                 await trained_one_step(model)
                 assert engine.target == f"{model.name}@1", engine.target
                 adapter = {
                     "artrl+vLLM": gateway,
-                    "vLLM direct": Endpoint(direct, engine.target, direct_body),
+                    "vLLM direct": Endpoint(direct, engine.target, plain),
+                    "vLLM direct + logprobs": Endpoint(direct, engine.target, logprobs),
                 }
                 rows += await phase("adapter", adapter, args)
             finally:
@@ -165,12 +178,12 @@ def section(args: argparse.Namespace, rows: list[str]) -> str:
             f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
             f"median of {args.runs} runs ({runs_at(8, args.runs)} at 8 sessions), endpoints alternating; `tiny` "
             "preset; the gateway's wire to vLLM: "
-            f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})`; {args.pinned or 'threads not pinned'}",
-            "- *artrl / direct*: tok/s ratio (acceptance: >= 0.95x at 8 and 64 sessions; <= 2 ms added per "
+            f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})` ({args.wire_used!r} used); {args.pinned or 'threads not pinned'}",
+            "- *artrl / this*: tok/s ratio (acceptance: >= 0.95x vLLM direct at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
             "for artrl the SDK and the gateway)",
             "",
-            "| weights | sessions | endpoint | tok/s | artrl / direct | p50 ms/call | p95 ms/call | client CPU s / 1k tok | tok/s per run |",
+            "| weights | sessions | endpoint | tok/s | artrl / this | p50 ms/call | p95 ms/call | client CPU s / 1k tok | tok/s per run |",
             "|---|---:|---|---:|---:|---:|---:|---:|---|",
             *rows,
             "",
@@ -189,12 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=20, help="1-token calls per endpoint and run")
     parser.add_argument("--sessions", default=None, help="comma-separated session counts (default 1,8,64)")
     parser.add_argument(
-        "--direct-logprobs",
-        action="store_true",
-        help="vLLM direct returns each sampled token's logprob too (as artrl's gateway always asks vLLM)",
-    )
-    parser.add_argument(
-        "--wire", default="completions", choices=("completions", "generate"), help="VLLMConfig.wire"
+        "--wire", default="auto", choices=("auto", "completions", "generate"), help="VLLMConfig.wire"
     )
     parser.add_argument(
         "--stream-interval",

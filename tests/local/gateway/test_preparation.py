@@ -1,18 +1,20 @@
 """The gateway's preparation thread (issue 43, item 7): a small request is not queued behind big ones sent
 just before it; the bodies it holds are bounded (429); a body that stalls mid-upload is refused (408) and
-gives its in-flight slot back, so stalled uploads cannot lock everyone else out."""
+gives its in-flight slot back, so stalled uploads cannot lock everyone else out. A small request that finds
+the thread idle is prepared at once on the caller's thread (issue 45), never beside another preparation."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
+import time
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 
-from artrl.local.gateway.preparation import Preparation
+from artrl.local.gateway.preparation import INLINE_BYTES, Preparation
 from artrl.local.gateway.protocol import RequestError
 
 
@@ -60,6 +62,43 @@ def test_closing_cancels_what_waits():
     busy.set()
     running.result(timeout=30)
     assert waiting.cancelled() and preparation.held == 0
+
+
+def test_a_small_request_is_prepared_at_once_when_nothing_else_is():
+    preparation = Preparation(max_bytes=1 << 20)
+    assert preparation.run_now(1024, threading.get_ident) == (True, threading.get_ident())
+    assert preparation.run_now(INLINE_BYTES + 1, threading.get_ident) == (False, None)  # big: the thread's
+    busy, running = occupy(preparation)
+    assert preparation.run_now(1, lambda: "at once") == (False, None)  # never beside another preparation
+    waiting = preparation.submit(1, lambda: "queued")
+    assert preparation.run_now(1, lambda: "at once") == (False, None)  # nor before one that waits
+    busy.set()
+    running.result(timeout=30)
+    assert waiting.result(timeout=30) == "queued"
+
+    def refused() -> None:
+        raise RequestError("no", status=400)
+
+    with pytest.raises(RequestError):
+        preparation.run_now(1, refused)
+    assert preparation.run_now(1, lambda: 5) == (True, 5)  # (its failure left the thread idle)
+    assert preparation.held == 0
+
+
+def test_the_thread_waits_while_a_request_is_prepared_at_once():
+    preparation = Preparation(max_bytes=1 << 20)
+    order: list[str] = []
+
+    def at_once():
+        queued = preparation.submit(1, lambda: order.append("queued"))
+        time.sleep(0.2)  # (time for the thread to take it, were it allowed to)
+        order.append("at once")
+        return queued
+
+    done, queued = preparation.run_now(1, at_once)
+    assert done
+    queued.result(timeout=30)
+    assert order == ["at once", "queued"]
 
 
 def stalled_upload(base_url: str) -> socket.socket:

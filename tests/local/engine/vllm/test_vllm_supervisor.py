@@ -288,6 +288,18 @@ async def test_a_replica_that_died_unnoticed_does_not_fail_a_training_step():
     await engine.close()
 
 
+async def test_the_default_wire_is_token_in_token_out_where_artrl_started_the_server():
+    """VLLMConfig.wire='auto': vLLM's /inference/v1/generate on a server artrl started (it passes
+    --enable-scale-out), /v1/completions on a server at a url (which may lack that flag)."""
+    ours, theirs = FakeVLLM(), FakeVLLM()
+    started = served([ours], VLLMConfig(**SLOW), start=lambda *_: FakeVLLM())
+    at_url = served([theirs], VLLMConfig(**SLOW))
+    for engine in (started, at_url):
+        assert await generate(engine)
+        await engine.close()
+    assert ours.generated == ["/inference/v1/generate"] and theirs.generated == ["/v1/completions"]
+
+
 async def test_a_full_weights_reload_rolls_while_the_other_replicas_serve():
     """Full fine-tuning restarted every replica at once (every rollout failed for the restart's minutes).
     Now half restart first, one at a time, while the others serve the old weights; then requests go to the

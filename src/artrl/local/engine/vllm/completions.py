@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 import yarl
 
 from artrl.local.engine.contract import EngineError, SamplingParams, SequenceStream, TokenChoice
@@ -218,8 +219,9 @@ async def _post(
     """The response to one request, sent again once where the server closed a kept-alive connection as it was
     sent (its keep-alive ended): vLLM got no request, so nothing is generated twice."""
     proxy, proxy_auth = env_proxy(replica.base_url)
+    headers = {**replica.headers, "Content-Type": "application/json"}
     send = functools.partial(
-        client.post, url, json=body, headers=replica.headers, proxy=proxy, proxy_auth=proxy_auth
+        client.post, url, data=orjson.dumps(body), headers=headers, proxy=proxy, proxy_auth=proxy_auth
     )
     try:
         return await send()
@@ -227,6 +229,15 @@ async def _post(
         raise
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
         return await send()
+
+
+def _chunk(data: bytes) -> dict[str, Any]:
+    """One streamed chunk: orjson's parse, or json's where the server wrote what only json reads (NaN,
+    Infinity: vLLM clamps the logprobs it sends, another server may not)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 @dataclass
@@ -278,7 +289,7 @@ async def _read_stream(
                 line = raw.rstrip(b"\r\n")
                 if finished or not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = _chunk(line[6:])
                 replica.tokens_seen += 1  # it is working (the supervisor does not take a busy server down)
                 if "error" in chunk:
                     server = replica.server  # read once: a restart may replace it meanwhile

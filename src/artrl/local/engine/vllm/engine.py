@@ -1,8 +1,8 @@
-"""The vLLM engine: token ids in, sampled token ids and logprobs out, over vLLM's /v1/completions.
+"""The vLLM engine: token ids in, sampled token ids and logprobs out, over vLLM's token-in/token-out
+/inference/v1/generate (the servers artrl starts) or /v1/completions (a server at a url; VLLMConfig.wire).
 
 The gateway keeps everything about chat templates, continuation and tool calls; vLLM only ever sees the
-exact prompt token ids the gateway built (`prompt` as a list of ids), and returns the sampled ids
-(`return_token_ids`) with their logprobs (vLLM's default `raw_logprobs`: the model's distribution at
+exact prompt token ids the gateway built, and returns the sampled ids with their logprobs (vLLM's default `raw_logprobs`: the model's distribution at
 temperature 1, the convention of the embedded engine and of the trainer). Stopping is the gateway's: vLLM
 stops only at the gateway's end-of-turn ids (`ignore_eos`, `stop_token_ids`), and the stop token is kept.
 

@@ -142,6 +142,8 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
 
 
 class MessagesDialect:
+    expands = False
+
     def chat_request(self, raw: bytes) -> tuple[bytes, dict[str, Any]]:
         body = json_body(raw)
         unknown = (

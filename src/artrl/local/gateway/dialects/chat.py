@@ -49,6 +49,8 @@ async def complete(serving: ChatServing, prepared: PreparedRequest) -> dict[str,
 class ChatDialect:
     """Plain chat completions, through the same call path as the other dialects."""
 
+    expands = False
+
     def chat_request(self, raw: bytes) -> tuple[bytes, None]:
         return raw, None
 

@@ -51,6 +51,10 @@ class Dialect(Protocol):
     """A request shape the gateway answers: plain chat (chat.py), the Responses API (responses.py),
     Anthropic Messages (anthropic.py)."""
 
+    # its chat request may be much larger than the body that came (a Responses call's previous_response_id
+    # brings back a stored conversation): never prepared on the event loop (preparation.py's run_now)
+    expands: bool
+
     def chat_request(self, raw: bytes) -> tuple[bytes, Any]:
         """The chat-completions request body (JSON) this request amounts to, and what the dialect keeps of the
         request for its answer (passed back to `reply`/`stream`); RequestError when it is invalid."""

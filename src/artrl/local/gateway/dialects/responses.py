@@ -91,6 +91,8 @@ def _check_text(text: dict[str, Any]) -> None:
 
 
 class ResponsesDialect:
+    expands = True  # (previous_response_id: a stored conversation, however long)
+
     def __init__(self, config: GatewayConfig) -> None:
         # response id -> its conversation and that conversation's size as JSON; read on the preparation
         # thread, written on the event loop: under the lock
