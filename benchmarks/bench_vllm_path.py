@@ -147,23 +147,23 @@ async def run(args: argparse.Namespace) -> list[str]:
             direct = openai.AsyncOpenAI(
                 base_url=f"{engine.base_url}/v1", api_key=engine.server.api_key, timeout=CALL_TIMEOUT_S
             )
-            plain, logprobs = {"ignore_eos": True}, {"ignore_eos": True, "logprobs": True}
-            try:
-                gateway = Endpoint(model.openai_client(), model.name, {"ignore_eos": True})
-                base = {
+            gateway = Endpoint(model.openai_client(), model.name, {"ignore_eos": True})
+
+            def endpoints(served: str) -> dict[str, Endpoint]:
+                """The gateway, and vLLM's chat endpoint naming `served` (without and with logprobs)."""
+                return {
                     "artrl+vLLM": gateway,
-                    "vLLM direct": Endpoint(direct, engine.served_name, plain),
-                    "vLLM direct + logprobs": Endpoint(direct, engine.served_name, logprobs),
+                    "vLLM direct": Endpoint(direct, served, {"ignore_eos": True}),
+                    "vLLM direct + logprobs": Endpoint(
+                        direct, served, {"ignore_eos": True, "logprobs": True}
+                    ),
                 }
-                rows += await phase("base", base, args)
+
+            try:
+                rows += await phase("base", endpoints(engine.served_name), args)
                 await trained_one_step(model)
                 assert engine.target == f"{model.name}@1", engine.target
-                adapter = {
-                    "artrl+vLLM": gateway,
-                    "vLLM direct": Endpoint(direct, engine.target, plain),
-                    "vLLM direct + logprobs": Endpoint(direct, engine.target, logprobs),
-                }
-                rows += await phase("adapter", adapter, args)
+                rows += await phase("adapter", endpoints(engine.target), args)
             finally:
                 await direct.close()
     return rows

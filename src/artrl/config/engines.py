@@ -155,6 +155,12 @@ class VLLMConfig(_Frozen):
             )
         return self
 
+    def wire_for(self, started: bool) -> Literal["completions", "generate"]:
+        """The wire a server gets: `wire`, 'auto' resolved (generate where artrl started the server)."""
+        if self.wire != "auto":
+            return self.wire
+        return "generate" if started else "completions"
+
     @property
     def replica_count(self) -> int:
         return len(self.urls) or self.replicas

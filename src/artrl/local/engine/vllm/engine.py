@@ -2,8 +2,9 @@
 /inference/v1/generate (the servers artrl starts) or /v1/completions (a server at a url; VLLMConfig.wire).
 
 The gateway keeps everything about chat templates, continuation and tool calls; vLLM only ever sees the
-exact prompt token ids the gateway built, and returns the sampled ids with their logprobs (vLLM's default `raw_logprobs`: the model's distribution at
-temperature 1, the convention of the embedded engine and of the trainer). Stopping is the gateway's: vLLM
+exact prompt token ids the gateway built, and returns the sampled ids with their logprobs (vLLM's default
+`raw_logprobs`: the model's distribution at temperature 1, the convention of the embedded engine and of the
+trainer). Stopping is the gateway's: vLLM
 stops only at the gateway's end-of-turn ids (`ignore_eos`, `stop_token_ids`), and the stop token is kept.
 
 Weights follow training: each step's adapter is loaded at runtime as `{model}@{step}` and new requests go
@@ -79,9 +80,7 @@ class VLLMEngine:
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
         # generate: vLLM's token-in/token-out endpoint, on the servers artrl starts (--enable-scale-out)
-        self.wire = (
-            config.wire if config.wire != "auto" else "generate" if start is not None else "completions"
-        )
+        self.wire = config.wire_for(started=start is not None)
         self.replicas.supervise()
 
     @property

@@ -250,7 +250,7 @@ class VLLMServer:
             args += ["--enable-sleep-mode"]
         if config.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
-        if config.wire in ("auto", "generate"):  # /inference/v1/generate (VLLMConfig.wire)
+        if config.wire_for(started=True) == "generate":  # /inference/v1/generate (VLLMConfig.wire)
             args += ["--enable-scale-out"]
         args += list(config.extra_args)
         # (in the environment, not the command line: `ps` shows that)
