@@ -26,9 +26,10 @@ the embedded engine (1), artrl + vLLM (5), TRL (7) and vLLM direct (5's direct r
 against vLLM direct, the step against TRL's, the update's MFU and peak memory. `--settings side-by-side` runs
 those three settings alone (the whole list takes longer than 8 minutes on one GPU).
 
-Each setting builds a model folder offline (the tokenizer and chat template of `artrl.build_tiny_model`,
-random weights of the shape saved in bf16; sampled ids may fall outside the small vocabulary, which is
-harmless here), registers it on `artrl.LocalBackend`, and per step sends `--agents` concurrent chat
+The first setting of each shape builds its model folder offline (the tokenizer and chat template of
+`artrl.build_tiny_model`, random weights of the shape saved in bf16; sampled ids may fall outside the small
+vocabulary, which is harmless here), which the later settings of that shape read; each registers it on
+`artrl.LocalBackend`, and per step sends `--agents` concurrent chat
 completions of exactly `--tokens` tokens through `model.openai_client()` (grouped `--group-size` per prompt,
 random rewards), then one `model.train` call. The first `--warmup` step(s) are not counted; figures are
 medians of the measured steps:
@@ -91,6 +92,7 @@ def run_setting(index: int, setting: Setting, args: argparse.Namespace) -> dict[
     with tempfile.TemporaryDirectory(prefix="artrl-gpu-check-setting-") as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, __file__, "--one", str(index), "--result", str(out), *args.passthrough]
+        command += ["--models", str(args.models)] if args.models else []
         try:
             done = subprocess.run(command, timeout=SETTING_TIMEOUT_S, capture_output=True, text=True)
         except subprocess.TimeoutExpired:
@@ -187,13 +189,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dry-run-cpu",
         action="store_true",
-        help="run the settings on the CPU with a tiny shape (hidden 64, 2 layers) and a light workload",
+        help="run the settings on the CPU with a tiny shape (hidden 64, 2 layers, vocab 4,096) and a light workload",
     )
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a subprocess: one setting
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--models", type=Path, default=None, help=argparse.SUPPRESS)  # shared model folders
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
-    skip = {"--one", "--result", "--json-out", "--settings"}  # (the parent's own: not for a setting's run)
+    skip = {
+        "--one",
+        "--result",
+        "--models",
+        "--json-out",
+        "--settings",
+    }  # (the parent's own: not for a setting's run)
     args.passthrough, it = [], iter(raw)
     for a in it:
         if a in skip:
@@ -244,14 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     log(f"device: {device_name}; torch {torch.__version__}; settings {args.picked}")
     results = []
-    for k in args.picked:
-        log(f"setting {k}: {SETTINGS[k - 1].name}")
-        results.append(run_setting(k, SETTINGS[k - 1], args))
-        # each setting's row and the JSON so far at once: a command cut off by its time limit keeps them
-        log("row: " + table(results[-1:], device_name, peak_source, args).splitlines()[-1])
-        if args.json_out:
-            args.json_out.parent.mkdir(parents=True, exist_ok=True)
-            args.json_out.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
+    with tempfile.TemporaryDirectory(prefix="artrl-gpu-check-models-") as models:
+        args.models = Path(models)  # each shape's folder, built by its first setting, read by the others
+        for k in args.picked:
+            log(f"setting {k}: {SETTINGS[k - 1].name}")
+            results.append(run_setting(k, SETTINGS[k - 1], args))
+            # each setting's row and the JSON so far at once: a command cut off by its time limit keeps them
+            log("row: " + table(results[-1:], device_name, peak_source, args).splitlines()[-1])
+            if args.json_out:
+                args.json_out.parent.mkdir(parents=True, exist_ok=True)
+                args.json_out.write_text(json.dumps({"device": device_name, "results": results}, indent=1))
     print()
     print(table(results, device_name, peak_source, args))
     print()

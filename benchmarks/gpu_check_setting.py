@@ -37,13 +37,15 @@ QWEN25_7B_SHAPE = {
     "vocab_size": 152_064,
 }
 SHAPES = {"1.5B": QWEN25_15B_SHAPE, "7B": QWEN25_7B_SHAPE}
+# the dry run's shape: the vocabulary twice the tokenizer's (2,048), so that sampled ids outside it still occur
+# as on the real shapes, at a fraction of the 151,936-row head's cost on a CPU
 DRY_RUN_SHAPE = {
     "hidden_size": 64,
     "intermediate_size": 192,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "vocab_size": 151_936,
+    "vocab_size": 4_096,
 }
 # dense bf16 tensor-core peaks (FLOP/s), matched against torch.cuda.get_device_name()
 KNOWN_PEAKS = [("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12)]
@@ -123,6 +125,24 @@ SETTINGS = [
 ]
 
 
+def model_folder(setting: Setting, args: argparse.Namespace, device: str, own: Path) -> tuple[Path, int]:
+    """The setting's model folder and its parameter count: built once per shape under `args.models` (the
+    parent's folder, shared by its settings; read only by them), else into `own`."""
+    shape_name = "dry-run" if args.dry_run_cpu else setting.shape
+    shape = DRY_RUN_SHAPE if args.dry_run_cpu else SHAPES[setting.shape]
+    folder = args.models / shape_name if args.models else own
+    built = folder / "gpu_check_built.json"  # written last: a folder without it is rebuilt
+    if built.exists():
+        params = json.loads(built.read_text())["params"]
+        log(f"reusing the {params:,}-parameter model ({shape}) built by an earlier setting")
+        return folder, params
+    started = time.perf_counter()
+    params = build_model_folder(folder, shape, device)
+    built.write_text(json.dumps({"params": params, "shape": shape}))
+    log(f"built {params:,}-parameter model ({shape}) in {time.perf_counter() - started:.1f} s")
+    return folder, params
+
+
 def engine_config(setting: Setting, args: argparse.Namespace, device: str) -> Any:
     import artrl
 
@@ -143,13 +163,9 @@ async def run(setting: Setting, args: argparse.Namespace, device: str) -> dict[s
 
     import artrl
 
-    shape = DRY_RUN_SHAPE if args.dry_run_cpu else SHAPES[setting.shape]
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="artrl-gpu-check-") as tmp:
-        folder = Path(tmp) / "model"
-        started = time.perf_counter()
-        params = build_model_folder(folder, shape, device)
-        log(f"built {params:,}-parameter model ({shape}) in {time.perf_counter() - started:.1f} s")
+        folder, params = model_folder(setting, args, device, Path(tmp) / "model")
         if setting.framework == "trl":
             return gpu_check_trl.run_trl(args, device, folder, params, log)
         backend = artrl.LocalBackend(path=Path(tmp) / "artrl", engine=engine_config(setting, args, device))
