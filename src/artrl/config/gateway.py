@@ -63,6 +63,13 @@ class GatewayConfig(_Frozen):
         description="`model.openai_client()` reaches the gateway in its own process without a socket (the "
         "same routes, no TCP or HTTP parsing); False = over HTTP like any other client",
     )
+    freeze_startup_heap: bool = Field(
+        default=True,
+        description="while the gateway serves, the objects its process held when it started (modules, tokenizer, "
+        "the model's Python objects) are left out of Python's full garbage collections (gc.freeze(), undone "
+        "when the process's last gateway stops): ~0.6 ms of CPU a call less on the vLLM path. Those objects "
+        "are still freed when nothing refers to them; only reference cycles among them wait for the stop",
+    )
     max_inflight_requests: int = Field(
         default=1024,
         ge=1,

@@ -567,16 +567,27 @@ async def test_an_oversized_body_is_refused_before_it_is_read(served):
 
 
 class _HeldTemplate:
-    """A tokenizer whose chat template holds the rendering of a huge conversation until `release` is set, and
-    sets `held` when it starts: the test then knows the prompt is being prepared, however fast the machine."""
+    """A tokenizer that holds the preparation of a huge conversation (its rendering through
+    apply_chat_template, or its encoding where ChatFormat renders without it) until `release` is set, and sets
+    `held` when it starts: the test then knows the prompt is being prepared, however fast the machine."""
 
     def __init__(self, tokenizer: Any, held: threading.Event, release: threading.Event) -> None:
         self._tokenizer, self.held, self.release = tokenizer, held, release
+
+    def hold_if_huge(self, size: int) -> None:
+        if size > 1_000_000:
+            self.held.set()
+            self.release.wait(120)  # (a guard against a hang: the test releases it)
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        return _HeldBackend(self._tokenizer.backend_tokenizer, self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # (special methods bypass __getattr__)
+        self.hold_if_huge(len(args[0]) if args and isinstance(args[0], str) else 0)
         return self._tokenizer(*args, **kwargs)
 
     def __len__(self) -> int:
@@ -587,10 +598,22 @@ class _HeldTemplate:
         return _HeldTemplate(copy.deepcopy(self._tokenizer, memo), self.held, self.release)
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
-        if sum(len(str(m.get("content") or "")) for m in conversation) > 1_000_000:
-            self.held.set()
-            self.release.wait(120)  # (a guard against a hang: the test releases it)
+        self.hold_if_huge(sum(len(str(m.get("content") or "")) for m in conversation))
         return self._tokenizer.apply_chat_template(conversation, **kwargs)
+
+
+class _HeldBackend:
+    """_HeldTemplate's fast tokenizer: its encode holds a huge text."""
+
+    def __init__(self, backend: Any, template: _HeldTemplate) -> None:
+        self._backend, self._template = backend, template
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        self._template.hold_if_huge(len(text))
+        return self._backend.encode(text, **kwargs)
 
 
 async def test_a_huge_prompt_does_not_stall_the_gateway(tokenizer):

@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
 from artrl.local.chat_format.control_marks import ControlMarks
 from artrl.local.chat_format.families import Family, detect_family, family_named, response_template
 from artrl.local.chat_format.output import OutputParser, raw_call_template
+from artrl.local.chat_format.plain_render import PlainRenderer, plain_renderer
+from artrl.local.chat_format.segments import SegmentEncoder, segment_encoder
 from artrl.local.chat_format.template_inputs import (
     RESERVED_TEMPLATE_VARIABLES,
     template_messages,
@@ -92,6 +94,13 @@ class ChatFormat:
         stops.update(extra_stop_ids)
         return cls(tokenizer, family, how, frozenset(stops), template_variables(template))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickled copy holds (row_renderer.py sends the format to its render workers): the fields with
+        their memos empty; what is derived from the tokenizer (the cached properties) the copy derives again.
+        The same format pickles to the same bytes, whatever it remembers (the workers keep it by its hash)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        return state | {"_boundaries": {}, "_encoded": {}, "_one_probe": {}}
+
     def clone(self) -> ChatFormat:
         """The same format over its own copy of the tokenizer, for use on another thread (a fast tokenizer
         must not encode on one thread while it decodes on another)."""
@@ -112,6 +121,10 @@ class ChatFormat:
             for t in self.tokenizer.added_tokens_decoder.values()
             if t.special or (t.content in text and not t.content.isspace())
         )
+
+    @cached_property
+    def _plain(self) -> PlainRenderer | None:
+        return plain_renderer(self.tokenizer)
 
     @cached_property
     def _marks(self) -> ControlMarks:
@@ -149,12 +162,18 @@ class ChatFormat:
         from jinja2 import TemplateError
 
         try:
+            given = template_messages(messages), tools or None, kwargs or {}
+            marked, plain = zip(*(self._marks.mark_plain(v) for v in given), strict=True)
+            # plain JSON without a control token: the template renders it without apply_chat_template's
+            # copies (plain_render.py), where the renderer takes these inputs
+            if all(plain) and self._plain is not None and self._plain.takes(*marked):
+                return self._plain.render(marked[0], marked[1], generation_prompt, marked[2])
             return self.tokenizer.apply_chat_template(
-                self._marked(template_messages(messages)),
-                tools=self._marked(tools) or None,
+                marked[0],
+                tools=marked[1] or None,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,
-                **self._marked(kwargs or {}),
+                **marked[2],
             )
         except (TemplateError, TypeError, KeyError, AttributeError) as exc:
             raise TemplateRenderError(f"the chat template rejected these messages: {exc}") from None
@@ -176,6 +195,8 @@ class ChatFormat:
                 return self.tokenizer(piece, add_special_tokens=False, sanitize_control_tokens=True)[
                     "input_ids"
                 ]
+            if self._segments is not None and self._segments.usable():  # (each part once: segments.py)
+                return self._segments.encode(piece)
             return self.tokenizer(piece, add_special_tokens=False)["input_ids"]
 
         if start:
@@ -184,6 +205,10 @@ class ChatFormat:
         if ids[: len(self._newline)] == self._newline:
             return ids[len(self._newline) :]
         return encode(text)
+
+    @cached_property
+    def _segments(self) -> SegmentEncoder | None:
+        return segment_encoder(self.tokenizer)
 
     @cached_property
     def _newline(self) -> list[int]:

@@ -17,6 +17,8 @@ from typing import Any
 
 from transformers.utils import chat_template_utils
 
+from artrl.local.chat_format.plain_render import is_plain_scalar
+
 # the markers transformers puts around a marked token (None: this transformers names them otherwise, and
 # every value is walked and every text encoded piecewise, as before)
 MARKERS: tuple[str, ...] | None = (
@@ -41,9 +43,16 @@ class ControlMarks:
 
     def mark(self, value: Any) -> Any:
         """`mark_control_tokens(value)`: the value itself where that would only copy it."""
+        return self.mark_plain(value)[0]
+
+    def mark_plain(self, value: Any) -> tuple[Any, bool]:
+        """`mark(value)`, and whether that is the value itself and it is plain JSON without a control token or
+        a marker (what ChatFormat.render may hand to the template without transformers' copies)."""
         if MARKERS is None:
-            return chat_template_utils.mark_control_tokens(value, self.pattern)
-        return value if self._unmarked(value) else self._marked(value)
+            return chat_template_utils.mark_control_tokens(value, self.pattern), False
+        if self._unmarked(value):
+            return value, True
+        return self._marked(value), False
 
     def _marked(self, value: Any) -> Any:
         """transformers' walk, keys included."""
@@ -56,8 +65,10 @@ class ControlMarks:
         return value
 
     def _unmarked(self, value: Any) -> bool:
-        """Whether marking would return a plain copy of `value`: no string in it (keys included) holds a
-        control token or a marker, and it holds no tuple or subclass that the walk would turn into a list, dict or str."""
+        """Whether `value` is plain JSON (dicts, lists, strings and scalars of their exact types) in which no
+        string (keys included) holds a control token or a marker: marking would return a copy of it, so `mark`
+        returns the value itself; anything else is walked (a tuple or subclass becomes a list, dict or str,
+        other values are left as they are)."""
         kind = type(value)
         if kind is str:
             return self._anything.search(value) is None
@@ -65,7 +76,7 @@ class ControlMarks:
             return all(self._unmarked(k) and self._unmarked(v) for k, v in value.items())
         if kind is list:
             return all(self._unmarked(v) for v in value)
-        return not isinstance(value, (str, dict, list, tuple))  # (other values are left as they are)
+        return is_plain_scalar(value)
 
     def needs_sanitizing(self, text: str) -> bool:
         """Whether encoding rendered `text` must go piecewise (`sanitize_control_tokens`): text without a

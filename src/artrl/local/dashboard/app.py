@@ -134,7 +134,9 @@ def start_dashboard(root: str | Path, config: DashboardConfig):
     from artrl.local.gateway.server import GatewayServer
 
     # (the app checks hosts and its key itself: the server's config only says where it listens)
-    where = GatewayConfig(host=config.host, port=config.port, allow_unauthenticated=True)
+    where = GatewayConfig(  # (a dashboard serves no model: it leaves the process's heap alone)
+        host=config.host, port=config.port, allow_unauthenticated=True, freeze_startup_heap=False
+    )
     server = GatewayServer(create_dashboard_app(root, config), where)
     server.start(timeout_s=30)
     return server

@@ -48,7 +48,8 @@ class _End:
 
 
 class SequenceStream:
-    """The tokens of one sampled sequence, pushed by an engine thread, read by the event loop.
+    """The tokens of one sampled sequence, pushed by an engine thread (or a task on the consumer's loop), read
+    by the event loop.
 
     Pushed items wait in a deque; the consumer's loop is woken once for whatever arrived since it last looked
     (one wake-up per decode step, not per token: each wake-up is a self-pipe write and a task switch that
@@ -75,6 +76,9 @@ class SequenceStream:
     def _deliver(self, item: TokenChoice | _End) -> None:
         self._items.append(item)
         if self._wake_scheduled:  # a wake-up on its way will find this item too
+            return
+        if asyncio._get_running_loop() is self._loop:  # pushed on the consumer's loop (vLLM's stream reader)
+            self._ready.set()  # (no self-pipe write: the loop runs the consumer once this task yields)
             return
         self._wake_scheduled = True
         try:

@@ -14,12 +14,15 @@ from typing import Any
 import uvicorn
 
 from artrl.config import GatewayConfig
+from artrl.local.gateway import startup_heap
 from artrl.local.gateway.in_process import AppLink, Exchanges, link_transport
 
 
 class GatewayServer:
     def __init__(self, app, config: GatewayConfig) -> None:
         self._app = app
+        self._freeze, self._frozen = config.freeze_startup_heap, False
+        self._lock = threading.Lock()  # (two stops release the heap once)
         host, port, keep_alive_s = config.host, config.port, config.keep_alive_s
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -58,6 +61,9 @@ class GatewayServer:
             time.sleep(0.01)
         # requests from this process's transports, and from the service process's pipe (service_child)
         self.link = AppLink(self._app, self._server.servers[0].get_loop(), self._exchanges)
+        if self._freeze:  # (startup_heap.py: what the process built so far, out of full collections)
+            startup_heap.hold()
+            self._frozen = True
 
     def transport(self, sync: bool = False, httpx: Any = None):
         """An httpx transport to this gateway from the same process, without a socket (see in_process);
@@ -65,10 +71,16 @@ class GatewayServer:
         return link_transport(self.link, self.host, self.port, sync, httpx)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
-        self._exchanges.close()  # in-process requests the stopped loop dropped fail now, new ones at once
-        self._socket.close()
-        preparing = getattr(self._app.state, "preparing", None)  # the gateway's prompt-building thread
-        if preparing is not None:
-            preparing.close()
+        try:
+            self._server.should_exit = True
+            self._thread.join(timeout_s)
+            self._exchanges.close()  # in-process requests the stopped loop dropped fail now, new ones at once
+            self._socket.close()
+            preparing = getattr(self._app.state, "preparing", None)  # the gateway's prompt-building thread
+            if preparing is not None:
+                preparing.close()
+        finally:
+            with self._lock:
+                frozen, self._frozen = self._frozen, False
+            if frozen:
+                startup_heap.release()

@@ -1,0 +1,36 @@
+"""A serving gateway keeps what its process held at start out of Python's full collections (gc.freeze), and
+the process's last gateway to stop hands it back (startup_heap.py)."""
+
+from __future__ import annotations
+
+import gc
+
+from starlette.applications import Starlette
+
+from artrl.config import GatewayConfig
+from artrl.local.gateway import startup_heap
+from artrl.local.gateway.server import GatewayServer
+
+
+def started(**config) -> GatewayServer:
+    server = GatewayServer(Starlette(), GatewayConfig(**config))
+    server.start(30)
+    return server
+
+
+def test_gateways_freeze_the_startup_heap_until_the_last_one_stops():
+    before = startup_heap._holders  # (another test's gateway may serve in this process)
+    first, second = started(), started()
+    try:
+        assert startup_heap._holders == before + 2 and gc.get_freeze_count() > 0
+        off = started(freeze_startup_heap=False)
+        off.stop()
+        assert startup_heap._holders == before + 2
+    finally:
+        first.stop()
+        first.stop()  # (stopped twice: released once)
+    assert startup_heap._holders == before + 1 and gc.get_freeze_count() > 0
+    second.stop()
+    assert startup_heap._holders == before
+    if before == 0:
+        assert gc.get_freeze_count() == 0  # (handed back to the collector)
