@@ -7,26 +7,33 @@ collection, which the gateway's own allocations trigger every few dozen calls: 0
 vLLM path, measured there (against 0.04 ms with the heap frozen). `gc.freeze()` moves them to a permanent
 generation the collector skips, as vLLM's own server does once it has started. Frozen objects are still freed
 by reference counting; only cyclic garbage among them waits, until the process's last gateway stops and
-`gc.unfreeze()` hands them back to the collector (GatewayConfig.freeze_startup_heap turns this off).
+`gc.unfreeze()` hands them back to the collector, or the interpreter exits (a program that never closes its
+backend: with its objects still frozen at shutdown, CPython 3.11 crashed a ported ART example about every
+other run). GatewayConfig.freeze_startup_heap turns this off.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
 
 _lock = threading.Lock()
 _holders = 0  # gateways of this process that hold the heap frozen
 _frozen_by_others = False  # objects were frozen before the first hold (by the program): never unfrozen here
+_exit_hook = False  # _at_exit registered
 
 
 def hold() -> None:
     """A gateway starts serving: what the process holds now is frozen, its garbage collected first (cheap
     once the rest is frozen: frozen objects are not walked)."""
-    global _holders, _frozen_by_others
+    global _holders, _frozen_by_others, _exit_hook
     with _lock:
         if _holders == 0:
             _frozen_by_others = gc.get_freeze_count() > 0
+            if not _exit_hook:
+                atexit.register(_at_exit)
+                _exit_hook = True
         _holders += 1
         gc.collect()  # (so that no garbage alive now is frozen with the rest)
         gc.freeze()  # (another gateway: its model's objects join the frozen ones)
@@ -41,4 +48,14 @@ def release() -> None:
             return
         _holders -= 1
         if _holders == 0 and not _frozen_by_others:
+            gc.unfreeze()
+
+
+def _at_exit() -> None:
+    """The interpreter ends with a gateway still serving (never stopped): the frozen objects go back to the
+    collector before the interpreter tears its modules down (with them still frozen, it crashed at exit)."""
+    global _holders
+    with _lock:
+        if _holders and not _frozen_by_others:
+            _holders = 0
             gc.unfreeze()
