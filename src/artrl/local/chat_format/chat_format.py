@@ -135,9 +135,6 @@ class ChatFormat:
         template = self.tokenizer.chat_template
         return template if isinstance(template, str) else json.dumps(template)
 
-    def _marked(self, value: Any) -> Any:
-        return self._marks.mark(value)
-
     # ------------------------------------------------------------------ rendering and encoding
     def check_kwargs(self, kwargs: dict[str, Any]) -> None:
         """Raise ValueError naming a chat_template_kwargs key that this template would silently ignore."""
