@@ -6,8 +6,9 @@ chat endpoint parses tool calls as the gateway does). Phase *base*: both serve t
 asks vLLM for the base; the direct client names the base). Phase *adapter*: after one GRPO step the trained
 LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names it. In each phase:
 1, 8 and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each,
-`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs (5x that at 8
-sessions); then sequential 1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*:
+`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs (5x that at 1 and 8
+sessions), and the median of each round's own ratio (its runs back to back: the host's drift between rounds,
+which moves a ratio of medians by 0.1-0.2 on a 2-core host, cancels); then sequential 1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*:
 this process's CPU time per 1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the
 gateway's for artrl (the gateway runs here, `model.openai_client()` reaches it without a socket), so the
 difference is the gateway's. *vLLM direct + logprobs*: the same direct calls asking for each sampled
@@ -41,9 +42,9 @@ DIRECT = LABELS[1:]
 
 
 def runs_at(sessions: int, runs: int) -> int:
-    """Runs per endpoint at a session count: a run of 8 sessions lasts about a second, and on a 2-core host
-    either endpoint's runs then vary 2-3x (389-1,281 tok/s in one process): 5x the runs between 1 and 64."""
-    return runs * 5 if 1 < sessions < 64 else runs
+    """Runs per endpoint at a session count: a run of 1 or 8 sessions lasts about a second, and on a 2-core host
+    either endpoint's runs then vary 2-3x (389-1,281 tok/s in one process): 5x the runs below 64."""
+    return runs * 5 if sessions < 64 else runs
 
 
 async def measured(ep: Endpoint, work: Workload, run: str) -> tuple[RunStats, float]:
@@ -57,6 +58,7 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
     """The phase's table rows; its headline (ratios per session count, ms added per call) into args.headline."""
     rows: list[str] = []
     ratios: dict[str, list[str]] = {label: [] for label in DIRECT}
+    paired_ratios_of: dict[str, list[str]] = {label: [] for label in DIRECT}
     for sessions in args.sessions:
         work = Workload("v", "tiny", sessions, args.turns, args.max_tokens)
         for label in LABELS:  # warm-up
@@ -71,15 +73,20 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
                     f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s", flush=True
                 )
         tok_s = {label: statistics.median(s.tok_s for s, _ in runs[label]) for label in LABELS}
+        # each round's own ratio (its runs side by side, minutes apart at most): the host's drift cancels
+        paired = {
+            label: statistics.median(paired_ratios(runs["artrl+vLLM"], runs[label])) for label in LABELS
+        }
         for label in DIRECT:
             ratios[label].append(f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x")
+            paired_ratios_of[label].append(f"{paired[label]:.2f}x")
         for label in LABELS:
             stats = [s for s, _ in runs[label]]
             calls = [ms for s in stats for ms in s.latencies_ms]
             cpu_per_k = statistics.median(1000 * c / max(1, s.tokens) for s, c in runs[label])
             rows.append(
                 f"| {name} | {sessions} | {label} | {tok_s[label]:.0f} | "
-                f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x | {harness.percentile(calls, 50):.0f} | "
+                f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x | {paired[label]:.2f}x | {harness.percentile(calls, 50):.0f} | "
                 f"{harness.percentile(calls, 95):.0f} | {cpu_per_k:.2f} | {', '.join(f'{s.tok_s:.0f}' for s in stats)} |"
             )
     ms: dict[str, list[float]] = {label: [] for label in LABELS}
@@ -92,16 +99,22 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
     added = {label: ours - statistics.median(ms[label]) for label in DIRECT}
     sessions = "/".join(str(n) for n in args.sessions)
     args.headline.append(
-        f"{name} {'/'.join(ratios['vLLM direct'])} ({sessions} sessions), {added['vLLM direct']:+.1f} ms a "
+        f"{name} {'/'.join(ratios['vLLM direct'])} ({sessions} sessions; per round "
+        f"{'/'.join(paired_ratios_of['vLLM direct'])}), {added['vLLM direct']:+.1f} ms a "
         f"1-token call (against direct + logprobs: {'/'.join(ratios['vLLM direct + logprobs'])}, "
         f"{added['vLLM direct + logprobs']:+.1f} ms)"
     )
     rows.append(
         f"| {name} | 1-token calls | | | | {ours:.1f} ms vs "
         + ", ".join(f"{statistics.median(ms[label]):.1f} ms ({label})" for label in DIRECT)
-        + f": **{added['vLLM direct']:+.1f} ms per call** | | | |"
+        + f": **{added['vLLM direct']:+.1f} ms per call** | | | | |"
     )
     return rows
+
+
+def paired_ratios(ours: list[tuple[RunStats, float]], theirs: list[tuple[RunStats, float]]) -> list[float]:
+    """Round r's tok/s ratio, ours / theirs (the two runs of a round ran one after the other)."""
+    return [a.tok_s / b.tok_s for (a, _), (b, _) in zip(ours, theirs, strict=True)]
 
 
 async def trained_one_step(model: Any) -> None:
@@ -176,15 +189,15 @@ def section(args: argparse.Namespace, rows: list[str]) -> str:
             "",
             f"{args.machine_line}; {harness.vllm_version() or 'vLLM ?'}",
             f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
-            f"median of {args.runs} runs ({runs_at(8, args.runs)} at 8 sessions), endpoints alternating; `tiny` "
+            f"median of {args.runs} runs ({runs_at(8, args.runs)} at 1 and 8 sessions), endpoints alternating; `tiny` "
             "preset; the gateway's wire to vLLM: "
             f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})` ({args.wire_used!r} used); {args.pinned or 'threads not pinned'}",
             "- *artrl / this*: tok/s ratio (acceptance: >= 0.95x vLLM direct at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
             "for artrl the SDK and the gateway)",
             "",
-            "| weights | sessions | endpoint | tok/s | artrl / this | p50 ms/call | p95 ms/call | client CPU s / 1k tok | tok/s per run |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---|",
+            "| weights | sessions | endpoint | tok/s | artrl / this | per round (median) | p50 ms/call | p95 ms/call | client CPU s / 1k tok | tok/s per run |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
             *rows,
             "",
         ]
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     default = (1, 8) if args.quick else (1, 8, 64)
     args.sessions = tuple(int(n) for n in args.sessions.split(",")) if args.sessions else default
-    args.runs = args.runs or (1 if args.quick else 3)
+    args.runs = args.runs or (1 if args.quick else 5)
     args.headline, args.pinned = [], ""
     args.machine_line = harness.dated_machine_line()  # (before this process is pinned to fewer cores)
     started = time.perf_counter()

@@ -160,9 +160,9 @@ def test_the_recipe_runs_end_to_end_and_reports_each_phase(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.longest  # ~3 min on one core: it starts first in CI (see conftest)
+@pytest.mark.longest  # ~2 min on one core: it starts first in CI (see conftest)
 def test_the_recipe_learns(tmp_path):
-    """train.py with its defaults, shortened to 32 GRPO steps, in one process (--in-process: CI gives each test
+    """train.py with its defaults, shortened to 24 GRPO steps, in one process (--in-process: CI gives each test
     one core's share, where the service's child process, train.py's default and faster on 2 free cores, costs
     10-16% more CPU): validation success on 64 questions from the inbox it never trains on must rise by at least
     0.15, citations with it, and the first steps must have signal. The stand-in and the warm start are the ones
@@ -180,7 +180,7 @@ def test_the_recipe_learns(tmp_path):
     done = subprocess.run(
         [
             *(sys.executable, str(EXAMPLE / "train.py"), "--path", str(tmp_path / "artrl")),
-            *("--steps", "32", "--val-size", "64", "--eval-every", "16"),
+            *("--steps", "24", "--val-size", "64", "--eval-every", "12"),
             *("--no-score-base", "--in-process", "--summary", str(summary)),
         ],
         capture_output=True,
