@@ -8,12 +8,12 @@ LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client n
 1, 8 and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each,
 `ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs (5x that at 1 and 8
 sessions), and the median of each round's own ratio (its runs back to back: the host's drift between rounds,
-which moves a ratio of medians by 0.1-0.2 on a 2-core host, cancels); then sequential 1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*:
-this process's CPU time per 1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the
-gateway's for artrl (the gateway runs here, `model.openai_client()` reaches it without a socket), so the
-difference is the gateway's. *vLLM direct + logprobs*: the same direct calls asking for each sampled
-token's logprob too, as artrl's gateway always asks vLLM (an RL trainer's request: GRPO's importance
-weights need them), so that vLLM does the same work for both.
+which moves a ratio of medians by 0.1-0.2 on a 2-core host, cancels); then sequential 1-token calls (the time
+a call costs beyond vLLM's). *client CPU s / 1k tok*: this process's CPU time per 1,000 generated tokens:
+the SDK's work for vLLM direct; the SDK's and the gateway's for artrl (the gateway runs here,
+`model.openai_client()` reaches it without a socket), so the difference is the gateway's. *vLLM direct +
+logprobs*: the same direct calls asking for each sampled token's logprob too, as artrl's gateway always asks
+vLLM (an RL trainer's request: GRPO's importance weights need them), so that vLLM does the same work for both.
 
     .venv/bin/python benchmarks/bench_vllm_path.py [--quick] [--out benchmarks/RESULTS.md]
 
