@@ -21,19 +21,15 @@ import threading
 _lock = threading.Lock()
 _holders = 0  # gateways of this process that hold the heap frozen
 _frozen_by_others = False  # objects were frozen before the first hold (by the program): never unfrozen here
-_exit_hook = False  # _at_exit registered
 
 
 def hold() -> None:
     """A gateway starts serving: what the process holds now is frozen, its garbage collected first (cheap
     once the rest is frozen: frozen objects are not walked)."""
-    global _holders, _frozen_by_others, _exit_hook
+    global _holders, _frozen_by_others
     with _lock:
         if _holders == 0:
             _frozen_by_others = gc.get_freeze_count() > 0
-            if not _exit_hook:
-                atexit.register(_at_exit)
-                _exit_hook = True
         _holders += 1
         gc.collect()  # (so that no garbage alive now is frozen with the rest)
         gc.freeze()  # (another gateway: its model's objects join the frozen ones)
@@ -59,3 +55,6 @@ def _at_exit() -> None:
         if _holders and not _frozen_by_others:
             _holders = 0
             gc.unfreeze()
+
+
+atexit.register(_at_exit)  # (a no-op unless a gateway still holds the heap)
