@@ -3,10 +3,10 @@
     python examples/train_agent.py [--base-model DIR_OR_HUB_ID] [--seed 0] [--steps N] [--report-to wandb]
 
 1. warm start (cached under --path/models): on the project's tiny model, first a stand-in for pretraining
-   (generic tool-reading conversations, `tool_reading.py`; shipped in examples/models and copied, --no-shipped
-   builds it: maze_stages.py; skipped with --base-model), then supervised
+   (generic tool-reading conversations, `tool_reading.py`; skipped with --base-model), then supervised
    fine-tuning on transcripts of a weak walker (well-formed `move` calls, toward the breeze only with
-   probability --warm-skill, a random direction otherwise) — the model learns the format, not the task;
+   probability --warm-skill, a random direction otherwise) — the model learns the format, not the task. The
+   defaults' two stages ship in examples/models and are copied; --no-shipped builds them (maze_stages.py);
 2. validation before training (mazes that training never sees), and every --eval-every steps, each next to
    the following step's rollouts (the same weights; the engine decodes both in one batch);
 3. GRPO for N steps on a LoRA adapter (groups of rollouts per scenario, one optimizer step each), with a
@@ -36,8 +36,8 @@ import artrl
 
 sys.path.insert(0, str(Path(__file__).parent))
 import maze_env as env
-from maze_stages import SHIPPED, STAND_IN, pretrained_tiny_model, stand_in_folder, warm_start
-from sft_cache import add_shipping_args, publish
+from maze_stages import SHIPPED, pretrained_tiny_model, ship, stage_folders, warm_start
+from sft_cache import add_shipping_args
 
 TARGET_GAIN = 0.30  # the gain in validation success the demo must show (issue 4)
 # per-step train metrics kept in the summary: the train/inference mismatch monitor and the step's phases
@@ -100,10 +100,10 @@ def plot(history: list[dict], val_points: list[tuple[int, float, float]], out: P
 
 async def main(args: argparse.Namespace) -> dict:
     if args.ship:
-        if Path(args.ship).resolve() == SHIPPED.resolve() and stand_in_folder(args) != stand_in_folder(
+        if Path(args.ship).resolve() == SHIPPED.resolve() and stage_folders(args) != stage_folders(
             parse_args(["--path", args.path])
         ):
-            raise SystemExit("--ship without DIR makes the shipped stand-in, the defaults': give a DIR")
+            raise SystemExit("--ship without DIR makes the shipped stages, the defaults': give a DIR")
         os.environ["OMP_NUM_THREADS"] = (
             "1"  # (before torch starts: one thread, the build whatever the machine)
         )
@@ -117,15 +117,15 @@ async def main(args: argparse.Namespace) -> dict:
         contextlib.AsyncExitStack() as stack,
     ):
         if args.ship:
-            built = await pretrained_tiny_model(backend, args, shipped=None)
-            print("shipped: " + ", ".join(publish([Path(built)], Path(args.ship), (STAND_IN,))))
-            return {"shipped": built}
+            shipped_stages = await ship(backend, args, Path(args.ship))
+            print("shipped: " + ", ".join(shipped_stages))
+            return {"shipped": shipped_stages}
         t = time.perf_counter()
         shipped = SHIPPED if args.shipped else None
         base_model = args.base_model or await pretrained_tiny_model(backend, args, shipped)
         timings["pretraining"] = 0.0 if args.base_model else time.perf_counter() - t
         t = time.perf_counter()
-        warm = await warm_start(backend, base_model, args)
+        warm = await warm_start(backend, base_model, args, shipped)
         timings["warm_start"] = time.perf_counter() - t
         if args.warm_start_only:
             print(warm)  # (the folder to start a training server on: `artrl server <it>`)
@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pretrain-examples", type=int, default=4096, help="tiny model only: pretraining stand-in (0: none)"
     )
     parser.add_argument("--pretrain-lr", type=float, default=3e-3)
-    add_shipping_args(parser, SHIPPED, "pretraining stand-in")
+    add_shipping_args(parser, SHIPPED, "pretraining stand-in and warm start")
     parser.add_argument("--sft-examples", type=int, default=1024)
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--sft-lr", type=float, default=3e-3)
@@ -360,7 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ship and (args.base_model or not args.pretrain_examples):
         parser.error(
-            "--ship builds the tiny model's pretraining stand-in: no --base-model, no --pretrain-examples 0"
+            "--ship builds the tiny model's two stages (pretraining stand-in, warm start): no --base-model, "
+            "no --pretrain-examples 0"
         )
     return args
 

@@ -76,33 +76,40 @@ def test_tool_reading_corpus_passes_the_pointed_value_to_the_next_call():
         assert messages[-1]["content"].endswith(f" is {next(iter(pointed.values()))}.")
 
 
-def test_the_shipped_stand_in_is_the_demos_default():
-    """examples/models holds the maze demo's pretraining stand-in under the key today's code gives the defaults
-    (maze_stages.py): a change to tool_reading.py or the tiny model needs it built again, else every demo run
-    builds its own (~35 s)."""
+def test_the_shipped_stages_are_the_demos_defaults():
+    """examples/models holds the maze demo's pretraining stand-in and its warm start under the keys today's code
+    gives the defaults (maze_stages.py): a change to tool_reading.py, the weak walker or the tiny model needs them
+    built again, else every demo run builds its own (~35 s and ~8 s)."""
     import maze_stages
     import train_agent
 
-    expected = maze_stages.stand_in_folder(train_agent.parse_args(["--path", "anywhere"])).name
+    expected = sorted(
+        f.name for f in maze_stages.stage_folders(train_agent.parse_args(["--path", "anywhere"]))
+    )
     shipped = sorted(p.name for p in maze_stages.SHIPPED.iterdir())
-    assert shipped == [expected], (
-        f"examples/models holds {shipped}, the demo's stand-in is {expected}: run `python examples/train_agent.py "
+    assert shipped == expected, (
+        f"examples/models holds {shipped}, the demo's stages are {expected}: run `python examples/train_agent.py "
         "--ship` and commit examples/models"
     )
-    assert (maze_stages.SHIPPED / expected / "model.safetensors").is_file()
+    for name in expected:
+        assert (maze_stages.SHIPPED / name / "model.safetensors").is_file()
 
 
-def test_a_default_run_copies_the_shipped_stand_in_without_building_anything(tmp_path):
-    """The copy needs no backend and builds no tiny model: what the demo's first phase does with the defaults."""
+def test_a_default_run_copies_the_shipped_stages_without_building_anything(tmp_path):
+    """The copies need no backend and build no tiny model: what the demo's first two phases do with the
+    defaults."""
     import asyncio
 
     import maze_stages
     import train_agent
 
     args = train_agent.parse_args(["--path", str(tmp_path)])
-    folder = asyncio.run(maze_stages.pretrained_tiny_model(None, args))
-    assert folder == str(maze_stages.stand_in_folder(args))
-    assert (Path(folder) / "model.safetensors").is_file() and not (tmp_path / "models" / "tiny").exists()
+    stand = asyncio.run(maze_stages.pretrained_tiny_model(None, args))
+    warm = asyncio.run(maze_stages.warm_start(None, stand, args))
+    assert (stand, warm) == tuple(map(str, maze_stages.stage_folders(args)))
+    for folder in (stand, warm):
+        assert (Path(folder) / "model.safetensors").is_file()
+    assert not (tmp_path / "models" / "tiny").exists()
 
 
 @pytest.mark.slow
