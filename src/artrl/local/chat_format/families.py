@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from artrl.local.chat_format.trl_data import trl_values
+
 
 @dataclass(frozen=True)
 class Family:
@@ -128,12 +130,17 @@ def family_named(name: str) -> Family:
         raise ValueError(f"unknown chat format {name!r}; choose one of {sorted(BY_NAME)}") from None
 
 
+def _trl_values() -> dict[str, Any]:
+    """Every trl.chat_template_utils value the families name (one cache file holds them all: trl_data.py)."""
+    names = {n for f in FAMILIES for n in (*f.trl_chat_templates, f.response_template) if n}
+    return trl_values(tuple(sorted(names)))
+
+
 @cache
 def _trl_chat_templates() -> dict[str, str]:
     """{text of a real chat template: family name}, from the templates the trl package ships."""
-    import trl.chat_template_utils as trl_templates
-
-    return {getattr(trl_templates, t): f.name for f in FAMILIES for t in f.trl_chat_templates}
+    values = _trl_values()
+    return {values[t]: f.name for f in FAMILIES for t in f.trl_chat_templates}
 
 
 def detect_family(chat_template: str | dict | None) -> tuple[Family, str]:
@@ -164,6 +171,4 @@ def response_template(family_name: str) -> dict[str, Any] | None:
     family = BY_NAME[family_name]
     if not family.response_template:
         return None
-    import trl.chat_template_utils as trl_templates
-
-    return _merge(getattr(trl_templates, family.response_template), family.template_patch)
+    return _merge(_trl_values()[family.response_template], family.template_patch)
