@@ -88,3 +88,20 @@ def test_the_key_follows_transformers_version(fresh, monkeypatch):
     key = trl_data._trl_key()
     monkeypatch.setattr(transformers, "__version__", "0.0.1")
     assert trl_data._trl_key() not in {None, key}
+
+
+def test_no_home_folder_only_costs_the_import(monkeypatch):
+    """A service whose user has no home folder (HOME unset, no passwd entry) still reads trl's templates."""
+    import trl.chat_template_utils as trl_templates
+
+    def no_home() -> None:
+        raise RuntimeError("Could not determine home directory.")
+
+    for variable in ("ARTRL_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(trl_data.Path, "home", staticmethod(no_home))
+    trl_data.trl_values.cache_clear()
+    try:
+        assert trl_data.trl_values(NAMES[:1]) == {NAMES[0]: getattr(trl_templates, NAMES[0])}
+    finally:
+        trl_data.trl_values.cache_clear()

@@ -61,10 +61,14 @@ def _from_trl(names: tuple[str, ...]) -> dict[str, Any]:
 @cache
 def trl_values(names: tuple[str, ...]) -> dict[str, Any]:
     """{name: value of trl.chat_template_utils.<name>} for these names, from the cache where it has them."""
-    key = _trl_key()
-    path = cache_dir() / "trl-templates" / f"{key}.json"
+    try:
+        key = _trl_key()
+        path = None if key is None else cache_dir() / "trl-templates" / f"{key}.json"
+    except (OSError, RuntimeError) as exc:  # (trl's files unreadable; no home folder to keep a cache in)
+        logger.debug("trl's templates not cached: %s", exc)
+        path = None
     kept: dict[str, Any] = {}
-    if key is not None:
+    if path is not None:
         try:
             kept = json.loads(path.read_text())
             if all(name in kept for name in names):
@@ -72,7 +76,7 @@ def trl_values(names: tuple[str, ...]) -> dict[str, Any]:
         except (OSError, ValueError):
             kept = {}  # (none yet, or unreadable: read trl, and write it)
     values = _from_trl(names)
-    if key is not None:
+    if path is not None:
         _write(path, {**kept, **values})
     return values
 
@@ -86,6 +90,7 @@ def _write(path: Path, values: dict[str, Any]) -> None:
         tmp = Path(name)
         with os.fdopen(fd, "w") as file:
             json.dump(values, file)
+        tmp.chmod(0o644)  # (mkstemp's 0600: a cache folder several users share serves them all)
         os.replace(tmp, path)
     except (OSError, TypeError, ValueError) as exc:
         logger.debug("trl's templates not cached at %s: %s", path, exc)
