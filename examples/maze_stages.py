@@ -1,9 +1,9 @@
 """The maze demo's supervised stages on the tiny model, cached under --path/models (sft_cache.py): the stand-in
 for pretraining (tool_reading.py) and the warm start on it (a weak walker's transcripts).
 
-`models/` beside this file holds both stages of the defaults, built by `train_agent.py --ship` (one thread, ~45 s):
-a run with those settings copies them, as a hub model arrives pretrained (and a team starts RL from its own SFT
-checkpoint), instead of building them; another setting, or a change to the code a key covers (tool_reading.py,
+`models/` beside this file holds both stages of the defaults, built by `train_agent.py --ship` (one thread: ~35 s
+and ~10 s): a run with those settings copies them, as a hub model arrives pretrained (and a team starts RL from its
+own SFT checkpoint), instead of building them; another setting, or a change to the code a key covers (tool_reading.py,
 the weak walker, the tiny model's shape and code), builds its own. --no-shipped builds both. tests/test_examples.py
 checks that the shipped folders are the defaults' keys."""
 

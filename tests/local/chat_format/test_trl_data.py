@@ -11,9 +11,7 @@ import sys
 import pytest
 
 from artrl.local.chat_format import trl_data
-from artrl.local.chat_format.families import FAMILIES
-
-NAMES = tuple(sorted({n for f in FAMILIES for n in (*f.trl_chat_templates, f.response_template) if n}))
+from artrl.local.chat_format.families import TRL_NAMES as NAMES
 
 READ = """
 import json, sys
@@ -23,9 +21,9 @@ print(json.dumps({"trl_imported": "trl.chat_template_utils" in sys.modules, "val
 """
 
 
-def read_in_a_process(cache, names=NAMES) -> dict:
+def read_in_a_process(cache) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", READ, json.dumps(list(names))],
+        [sys.executable, "-c", READ, json.dumps(list(NAMES))],
         env={**os.environ, "ARTRL_CACHE_DIR": str(cache)},
         capture_output=True,
         text=True,

@@ -130,10 +130,12 @@ def family_named(name: str) -> Family:
         raise ValueError(f"unknown chat format {name!r}; choose one of {sorted(BY_NAME)}") from None
 
 
+# every trl.chat_template_utils value the families name, asked for together (one cache file holds them: trl_data.py)
+TRL_NAMES = tuple(sorted({n for f in FAMILIES for n in (*f.trl_chat_templates, f.response_template) if n}))
+
+
 def _trl_values() -> dict[str, Any]:
-    """Every trl.chat_template_utils value the families name (one cache file holds them all: trl_data.py)."""
-    names = {n for f in FAMILIES for n in (*f.trl_chat_templates, f.response_template) if n}
-    return trl_values(tuple(sorted(names)))
+    return trl_values(TRL_NAMES)
 
 
 @cache

@@ -15,10 +15,11 @@ import importlib.util
 import json
 import logging
 import os
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from artrl.storage import atomic_write_json
 
 logger = logging.getLogger(__name__)
 CACHE_DIR_VARIABLE = "ARTRL_CACHE_DIR"
@@ -83,16 +84,7 @@ def trl_values(names: tuple[str, ...]) -> dict[str, Any]:
 
 def _write(path: Path, values: dict[str, Any]) -> None:
     """The values as JSON at `path`, whole or not at all (another process may be reading it)."""
-    tmp: Path | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        tmp = Path(name)
-        with os.fdopen(fd, "w") as file:
-            json.dump(values, file)
-        tmp.chmod(0o644)  # (mkstemp's 0600: a cache folder several users share serves them all)
-        os.replace(tmp, path)
+        atomic_write_json(path, values)
     except (OSError, TypeError, ValueError) as exc:
         logger.debug("trl's templates not cached at %s: %s", path, exc)
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
