@@ -15,12 +15,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
 
-# Each vLLM server the suite starts (two dozen) runs vLLM's engine core inside its API server's process
-# (vLLM's own VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of vLLM's default of two more processes (the engine
-# core, its worker), each importing vLLM again: a start-up takes ~14 s instead of ~22 s on 2 cores. What
-# artrl does with the server is the same either way; tests/test_crash_resume_vllm.py keeps vLLM's default
-# (a kill -9 must take all three processes down).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# (vLLM servers: on a CPU host artrl runs one without a worker process of its own, launch.cpu_process_env;
+# the suite's servers get that from artrl itself, tests/test_crash_resume_vllm.py asks for vLLM's three processes)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

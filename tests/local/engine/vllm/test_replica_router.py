@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from artrl.config import VLLMConfig
+from artrl.local.engine.vllm.launch import cpu_process_env
 from artrl.local.engine.vllm.router import ReplicaRouter
 from artrl.local.engine.vllm.server import replica_placement
 
@@ -86,6 +87,17 @@ def test_the_remembered_sequences_are_bounded_least_recently_used_first():
     unbounded = ReplicaRouter(2, max_entries=0)  # remembers nothing
     unbounded.done(unbounded.route([1], 1, BOTH), [[2]])
     assert len(unbounded) == 0
+
+
+def test_on_cpu_one_rank_runs_in_the_engine_core_unless_the_environment_says():
+    single = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
+    }  # no worker process (its busy wait took the agents' core)
+    assert cpu_process_env(True, 1, {}) == single
+    assert cpu_process_env(True, 1, {"PATH": "/bin"}) == single
+    assert cpu_process_env(True, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) == {}  # the user's say
+    assert cpu_process_env(True, 2, {}) == {}  # tensor-parallel ranks: vLLM's worker processes
+    assert cpu_process_env(False, 1, {}) == {}  # GPUs: vLLM's own choice
 
 
 def test_replicas_on_one_machine_get_their_own_cores_or_gpus():

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -356,6 +357,29 @@ async def test_every_route_of_the_vllm_server_artrl_started_needs_its_key(served
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("served", ["vllm"], indirect=True)
+async def test_on_cpu_vllm_runs_its_model_in_the_engine_core_without_a_worker_process(served):
+    """artrl's default on a CPU host (launch.cpu_process_env; this suite sets nothing): vLLM's engine core runs
+    the model itself, so no worker process spins beside it on the agents' cores."""
+    server = served._backend.service(served).engine.server
+    names = _group_process_names(os.getpgid(server.process.pid))
+    assert "VLLM::EngineCor" in names and not any(n.startswith("VLLM::Worker") for n in names), names
+
+
+def _group_process_names(group: int) -> list[str]:
+    """The names (/proc/PID/comm: 15 characters at most) of the processes in process group `group`."""
+    names = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group:  # (state, ppid, pgrp, ...)
+                names.append((stat.parent / "comm").read_text().strip())
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    return names
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("served", ["vllm"], indirect=True)
 async def test_vllm_url_uses_a_server_that_is_already_running(served, tiny_model_dir, tmp_path):
     server = served._backend.service(served).engine.server
     url = server.base_url
@@ -418,7 +442,11 @@ def test_a_port_another_server_took_is_not_mistaken_for_the_new_server(tmp_path,
     ports = [other.server_address[1]]
     monkeypatch.setattr(vllm_server, "free_port", lambda: ports.pop() if ports else _free_port())
     try:
-        server = VLLMServer.start(str(tiny_model_dir), "t", tmp_path / "log", VLLMConfig(), max_model_len=256)
+        server = VLLMServer.start(
+            *(str(tiny_model_dir), "t", tmp_path / "log", VLLMConfig()),
+            max_model_len=256,
+            env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # (as launch.py starts one on CPU: faster)
+        )
     finally:
         other.shutdown()
     try:

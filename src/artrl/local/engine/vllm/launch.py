@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +94,7 @@ class VLLMLaunch:
         device = pick_device(self.engine_config)
         config = self.engine_config.vllm
         user_env = {**config.env, **(config.replica_env[index] if config.replica_env else {})}
-        on_cpu = device.type == "cpu"
+        on_cpu, tensor_parallel = device.type == "cpu", config.tensor_parallel_size
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else None
         if gpus is None and device.type == "cuda":
@@ -103,7 +104,7 @@ class VLLMLaunch:
         placement = replica_placement(
             index,
             config.replicas,
-            config.tensor_parallel_size,
+            tensor_parallel,
             on_cpu,
             sorted(os.sched_getaffinity(0))
             if hasattr(os, "sched_getaffinity")
@@ -123,9 +124,28 @@ class VLLMLaunch:
             dtype=str(pick_dtype(self.engine_config, device)).removeprefix("torch."),
             on_cpu=on_cpu,
             load=self.engine_config.load,
-            env={**placement, **user_env},
+            env={
+                **placement,
+                **cpu_process_env(on_cpu, tensor_parallel, {**os.environ, **user_env}),
+                **user_env,
+            },
             cancel=cancel,
         )
+
+
+def cpu_process_env(on_cpu: bool, tensor_parallel: int, env: Mapping[str, str]) -> dict[str, str]:
+    """vLLM's processes on a CPU host, where `env` (the user's and this process's environment) does not say:
+    one rank runs its model in vLLM's engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's
+    single-process executor), not in a worker process of its own. vLLM's CPU platform otherwise starts that
+    worker, and its engine core then waits for each step's output spinning on sched_yield (shm_broadcast's
+    reader, busy for 1 s after each read) on the cores vLLM leaves to everything else: on a small host it takes
+    most of a core from the agents and the gateway, and 64 agent sessions ran 3-7x slower in one run of two
+    (benchmarks/RESULTS.md, the vLLM path). The steps cost the same (CPU scheduling is synchronous: the engine
+    core waited for the worker anyway), and the server starts faster (one process fewer imports vLLM). On
+    GPUs, and for tensor-parallel ranks, vLLM's own choice stays."""
+    if not on_cpu or tensor_parallel > 1 or "VLLM_ENABLE_V1_MULTIPROCESSING" in env:
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def served_model_of(url: str, config: VLLMConfig) -> str:
