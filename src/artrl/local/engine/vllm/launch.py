@@ -139,10 +139,11 @@ def cpu_process_env(on_cpu: bool, tensor_parallel: int, env: Mapping[str, str]) 
     single-process executor), not in a worker process of its own. vLLM's CPU platform otherwise starts that
     worker, and its engine core then waits for each step's output spinning on sched_yield (shm_broadcast's
     reader, busy for 1 s after each read) on the cores vLLM leaves to everything else: on a small host it takes
-    most of a core from the agents and the gateway, and 64 agent sessions ran 3-7x slower in one run of two
-    (benchmarks/RESULTS.md, the vLLM path). The steps cost the same (CPU scheduling is synchronous: the engine
-    core waited for the worker anyway), and the server starts faster (one process fewer imports vLLM). On
-    GPUs, and for tensor-parallel ranks, vLLM's own choice stays."""
+    most of a core from the agents and the gateway: 64 agent sessions ran 3-7x slower in about one run of two.
+    Without the worker (vLLM's CPU steps are synchronous: the engine core waited for each anyway) the same
+    benchmark ran 1.8x (8 sessions) its tok/s on a 2-core host, with no slow runs (benchmarks/RESULTS.md, the
+    vLLM path), and the server starts faster (one process fewer imports vLLM). On GPUs, and for
+    tensor-parallel ranks, vLLM's own choice stays."""
     if not on_cpu or tensor_parallel > 1 or "VLLM_ENABLE_V1_MULTIPROCESSING" in env:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
