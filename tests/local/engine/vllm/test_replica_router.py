@@ -90,9 +90,8 @@ def test_the_remembered_sequences_are_bounded_least_recently_used_first():
 
 
 def test_on_cpu_one_rank_runs_in_the_engine_core_unless_the_environment_says():
-    single = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
-    }  # no worker process (its busy wait took the agents' core)
+    # no worker process (its busy wait took the agents' core): the engine core runs the model
+    single = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert cpu_process_env(True, 1, {}) == single
     assert cpu_process_env(True, 1, {"PATH": "/bin"}) == single
     assert cpu_process_env(True, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) == {}  # the user's say
