@@ -96,6 +96,8 @@ def test_on_cpu_one_rank_runs_in_the_engine_core_unless_the_environment_says():
     assert cpu_process_env(True, 1, {"PATH": "/bin"}) == single
     assert cpu_process_env(True, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) == {}  # the user's say
     assert cpu_process_env(True, 2, {}) == {}  # tensor-parallel ranks: vLLM's worker processes
+    # cores chosen (the user's, or several replicas' own): only a worker process vLLM starts binds them
+    assert cpu_process_env(True, 1, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}) == {}
     assert cpu_process_env(False, 1, {}) == {}  # GPUs: vLLM's own choice
 
 

@@ -126,7 +126,7 @@ class VLLMLaunch:
             load=self.engine_config.load,
             env={
                 **placement,
-                **cpu_process_env(on_cpu, tensor_parallel, {**os.environ, **user_env}),
+                **cpu_process_env(on_cpu, tensor_parallel, {**os.environ, **placement, **user_env}),
                 **user_env,
             },
             cancel=cancel,
@@ -134,17 +134,21 @@ class VLLMLaunch:
 
 
 def cpu_process_env(on_cpu: bool, tensor_parallel: int, env: Mapping[str, str]) -> dict[str, str]:
-    """vLLM's processes on a CPU host, where `env` (the user's and this process's environment) does not say:
-    one rank runs its model in vLLM's engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's
-    single-process executor), not in a worker process of its own. vLLM's CPU platform otherwise starts that
-    worker, and its engine core then waits for each step's output spinning on sched_yield (shm_broadcast's
-    reader, busy for 1 s after each read) on the cores vLLM leaves to everything else: on a small host it takes
-    most of a core from the agents and the gateway: 64 agent sessions ran 3-7x slower in about one run of two.
-    Without the worker (vLLM's CPU steps are synchronous: the engine core waited for each anyway) the same
-    benchmark ran 1.8x (8 sessions) its tok/s on a 2-core host, with no slow runs (benchmarks/RESULTS.md, the
-    vLLM path), and the server starts faster (one process fewer imports vLLM). On GPUs, and for
-    tensor-parallel ranks, vLLM's own choice stays."""
-    if not on_cpu or tensor_parallel > 1 or "VLLM_ENABLE_V1_MULTIPROCESSING" in env:
+    """vLLM's processes on a CPU host, where `env` (the user's, this process's and the replica placement's
+    environment) does not say: one rank runs its model in vLLM's engine-core process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's single-process executor), not in a worker process of its own.
+    vLLM's CPU platform otherwise starts that worker, and its engine core then waits for each step's output
+    spinning on sched_yield (shm_broadcast's reader, busy for 1 s after each read) on the cores vLLM leaves to
+    everything else: on a small host it takes most of a core from the agents and the gateway: 64 agent sessions
+    ran 3-7x slower in about one run of two. Without the worker (vLLM's CPU steps are synchronous: the engine
+    core waited for each anyway) the same benchmark ran 1.8x (8 sessions) its tok/s on a 2-core host, with no
+    slow runs (benchmarks/RESULTS.md, the vLLM path), and the server starts faster (one process fewer imports
+    vLLM). vLLM binds its OpenMP threads to cores only in a worker process it starts: where cores are chosen
+    (VLLM_CPU_OMP_THREADS_BIND: the user's, or each of several replicas' own), and for tensor-parallel ranks,
+    vLLM's worker processes stay; on GPUs, vLLM's own choice."""
+    if not on_cpu or tensor_parallel > 1:
+        return {}
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" in env or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
