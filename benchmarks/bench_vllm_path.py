@@ -47,11 +47,11 @@ def runs_at(sessions: int, runs: int) -> int:
     return runs * 5 if sessions < 64 else runs
 
 
-async def measured(ep: Endpoint, work: Workload, run: str) -> tuple[RunStats, float]:
-    """One run; this process's CPU seconds during it."""
-    cpu = time.process_time()
+async def measured(ep: Endpoint, work: Workload, run: str, server_pid: int) -> tuple[RunStats, float, float]:
+    """One run; this process's CPU seconds during it, and vLLM's (its server's process tree)."""
+    cpu, served = time.process_time(), harness.process_tree_cpu_s(server_pid)
     stats = await run_sessions(ep, work, run)
-    return stats, time.process_time() - cpu
+    return stats, time.process_time() - cpu, harness.process_tree_cpu_s(server_pid) - served
 
 
 async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namespace) -> list[str]:
@@ -63,16 +63,17 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
         work = Workload("v", "tiny", sessions, args.turns, args.max_tokens)
         for label in LABELS:  # warm-up
             await run_sessions(endpoints[label], work, f"warm-up {name} {label}")
-        runs: dict[str, list[tuple[RunStats, float]]] = {label: [] for label in LABELS}
+        runs: dict[str, list[tuple[RunStats, float, float]]] = {label: [] for label in LABELS}
         for r in range(runs_at(sessions, args.runs)):
             for label in harness.alternating(LABELS, r):
                 await harness.settle(at_least_s=0.5)
-                stats, cpu = await measured(endpoints[label], work, f"{name} {r}")
-                runs[label].append((stats, cpu))
+                stats, cpu, served = await measured(endpoints[label], work, f"{name} {r}", args.server_pid)
+                runs[label].append((stats, cpu, served))
                 print(
-                    f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s", flush=True
+                    f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s, vLLM {served:.2f} s",
+                    flush=True,
                 )
-        tok_s = {label: statistics.median(s.tok_s for s, _ in runs[label]) for label in LABELS}
+        tok_s = {label: statistics.median(s.tok_s for s, _, _ in runs[label]) for label in LABELS}
         # each round's own ratio (its runs side by side, minutes apart at most): the host's drift cancels
         paired = {
             label: statistics.median(paired_ratios(runs["artrl+vLLM"], runs[label])) for label in LABELS
@@ -81,13 +82,14 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
             ratios[label].append(f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x")
             paired_ratios_of[label].append(f"{paired[label]:.2f}x")
         for label in LABELS:
-            stats = [s for s, _ in runs[label]]
+            stats = [s for s, _, _ in runs[label]]
             calls = [ms for s in stats for ms in s.latencies_ms]
-            cpu_per_k = statistics.median(1000 * c / max(1, s.tokens) for s, c in runs[label])
+            cpu_per_k = statistics.median(1000 * c / max(1, s.tokens) for s, c, _ in runs[label])
+            vllm_per_k = statistics.median(1000 * v / max(1, s.tokens) for s, _, v in runs[label])
             rows.append(
                 f"| {name} | {sessions} | {label} | {tok_s[label]:.0f} | "
                 f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x | {paired[label]:.2f}x | {harness.percentile(calls, 50):.0f} | "
-                f"{harness.percentile(calls, 95):.0f} | {cpu_per_k:.2f} | {', '.join(f'{s.tok_s:.0f}' for s in stats)} |"
+                f"{harness.percentile(calls, 95):.0f} | {cpu_per_k:.2f} | {vllm_per_k:.2f} | {', '.join(f'{s.tok_s:.0f}' for s in stats)} |"
             )
     ms: dict[str, list[float]] = {label: [] for label in LABELS}
     for label in LABELS:
@@ -107,14 +109,16 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
     rows.append(
         f"| {name} | 1-token calls | | | | {ours:.1f} ms vs "
         + ", ".join(f"{statistics.median(ms[label]):.1f} ms ({label})" for label in DIRECT)
-        + f": **{added['vLLM direct']:+.1f} ms per call** | | | | |"
+        + f": **{added['vLLM direct']:+.1f} ms per call** | | | | | |"
     )
     return rows
 
 
-def paired_ratios(ours: list[tuple[RunStats, float]], theirs: list[tuple[RunStats, float]]) -> list[float]:
+def paired_ratios(
+    ours: list[tuple[RunStats, float, float]], theirs: list[tuple[RunStats, float, float]]
+) -> list[float]:
     """Round r's tok/s ratio, ours / theirs (the two runs of a round ran one after the other)."""
-    return [a.tok_s / b.tok_s for (a, _), (b, _) in zip(ours, theirs, strict=True)]
+    return [a[0].tok_s / b[0].tok_s for a, b in zip(ours, theirs, strict=True)]
 
 
 async def trained_one_step(model: Any) -> None:
@@ -152,6 +156,7 @@ async def run(args: argparse.Namespace) -> list[str]:
             await model.register(backend)
             engine = backend.service(model).engine
             args.wire_used = engine.wire  # ('auto' resolved)
+            args.server_pid = engine.server.process.pid
             if args.pin and engine.server is not None:
                 bound, ours = harness.pin_away_from(engine.server.process.pid)
                 args.pinned = (
@@ -194,10 +199,11 @@ def section(args: argparse.Namespace, rows: list[str]) -> str:
             f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})` ({args.wire_used!r} used); {args.pinned or 'threads not pinned'}",
             "- *artrl / this*: tok/s ratio (acceptance: >= 0.95x vLLM direct at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
-            "for artrl the SDK and the gateway)",
+            "for artrl the SDK and the gateway); *vLLM CPU s / 1k tok*: the vLLM server's processes' (API server, "
+            "engine core) CPU per 1,000 generated tokens",
             "",
-            "| weights | sessions | endpoint | tok/s | artrl / this | per round (median) | p50 ms/call | p95 ms/call | client CPU s / 1k tok | tok/s per run |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+            "| weights | sessions | endpoint | tok/s | artrl / this | per round (median) | p50 ms/call | p95 ms/call | client CPU s / 1k tok | vLLM CPU s / 1k tok | tok/s per run |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
             *rows,
             "",
         ]
