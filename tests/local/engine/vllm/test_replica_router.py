@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from artrl.config import VLLMConfig
-from artrl.local.engine.vllm.launch import cpu_process_env, physical_cores
+from artrl.local.engine.vllm.launch import cpu_process_env
 from artrl.local.engine.vllm.router import ReplicaRouter
 from artrl.local.engine.vllm.server import replica_placement
 
@@ -90,31 +90,15 @@ def test_the_remembered_sequences_are_bounded_least_recently_used_first():
 
 
 def test_on_cpu_one_rank_runs_in_the_engine_core_unless_the_environment_says():
-    # no worker process (its busy wait took the agents' core): the engine core runs the model, with a thread
-    # per physical core but one (the one vLLM's worker leaves to its API server, the gateway and the agents)
+    # no worker process (its busy wait took the agents' core): the engine core runs the model
     single = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    assert cpu_process_env(True, 1, {}, 2) == single | {"OMP_NUM_THREADS": "1"}
-    assert cpu_process_env(True, 1, {"PATH": "/bin"}, 16) == single | {"OMP_NUM_THREADS": "15"}
-    assert cpu_process_env(True, 1, {}, 1) == single | {"OMP_NUM_THREADS": "1"}
-    assert cpu_process_env(True, 1, {"OMP_NUM_THREADS": "3"}, 8) == single  # the user's team size
-    assert cpu_process_env(True, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, 2) == {}  # the user's say
-    assert cpu_process_env(True, 2, {}, 2) == {}  # tensor-parallel ranks: vLLM's worker processes
+    assert cpu_process_env(True, 1, {}) == single
+    assert cpu_process_env(True, 1, {"PATH": "/bin"}) == single
+    assert cpu_process_env(True, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) == {}  # the user's say
+    assert cpu_process_env(True, 2, {}) == {}  # tensor-parallel ranks: vLLM's worker processes
     # cores chosen (the user's, or several replicas' own): only a worker process vLLM starts binds them
-    assert cpu_process_env(True, 1, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}, 2) == {}
-    assert cpu_process_env(False, 1, {}, 2) == {}  # GPUs: vLLM's own choice
-
-
-def test_physical_cores_count_smt_siblings_once(tmp_path):
-    # a host of 2 packages x 2 cores x 2 threads (Linux numbers a core's siblings apart: cpu0 and cpu4)
-    for cpu in range(8):
-        topology = tmp_path / f"cpu{cpu}" / "topology"
-        topology.mkdir(parents=True)
-        (topology / "physical_package_id").write_text(f"{cpu // 2 % 2}\n")
-        (topology / "core_id").write_text(f"{cpu % 2}\n")
-    assert physical_cores(list(range(8)), tmp_path) == 4
-    assert physical_cores([0, 4], tmp_path) == 1  # one core's two threads
-    assert physical_cores([0, 1, 2], tmp_path) == 3
-    assert physical_cores([0, 9], tmp_path) == 2  # a topology it cannot read: each CPU a core
+    assert cpu_process_env(True, 1, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}) == {}
+    assert cpu_process_env(False, 1, {}) == {}  # GPUs: vLLM's own choice
 
 
 def test_replicas_on_one_machine_get_their_own_cores_or_gpus():

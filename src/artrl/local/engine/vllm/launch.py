@@ -101,17 +101,14 @@ class VLLMLaunch:
             import torch
 
             gpus = [str(i) for i in range(torch.cuda.device_count())]
-        cores = (
-            sorted(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else list(range(os.cpu_count() or 1))
-        )
         placement = replica_placement(
             index,
             config.replicas,
             tensor_parallel,
             on_cpu,
-            cores,
+            sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1)),
             {**os.environ, **user_env} if on_cpu else user_env,
             gpus,
         )
@@ -129,56 +126,31 @@ class VLLMLaunch:
             load=self.engine_config.load,
             env={
                 **placement,
-                **cpu_process_env(
-                    on_cpu, tensor_parallel, {**os.environ, **placement, **user_env}, physical_cores(cores)
-                ),
+                **cpu_process_env(on_cpu, tensor_parallel, {**os.environ, **placement, **user_env}),
                 **user_env,
             },
             cancel=cancel,
         )
 
 
-def cpu_process_env(
-    on_cpu: bool, tensor_parallel: int, env: Mapping[str, str], physical_cores: int
-) -> dict[str, str]:
+def cpu_process_env(on_cpu: bool, tensor_parallel: int, env: Mapping[str, str]) -> dict[str, str]:
     """vLLM's processes on a CPU host, where `env` (the user's, this process's and the replica placement's
     environment) does not say: one rank runs its model in vLLM's engine-core process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's single-process executor), not in a worker process of its own,
-    with an OpenMP team of one thread per physical core but one (OMP_NUM_THREADS).
-
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's single-process executor), not in a worker process of its own.
     vLLM's CPU platform otherwise starts that worker, and its engine core then waits for each step's output
     spinning on sched_yield (shm_broadcast's reader, busy for 1 s after each read) on the cores vLLM leaves to
     everything else: on a small host it takes most of a core from the agents and the gateway: 64 agent sessions
     ran 3-7x slower in about one run of two. Without the worker (vLLM's CPU steps are synchronous: the engine
     core waited for each anyway) the same benchmark ran 1.8x (8 sessions) its tok/s on a 2-core host, with no
     slow runs (benchmarks/RESULTS.md, the vLLM path), and the server starts faster (one process fewer imports
-    vLLM). The team's size is the one vLLM's worker gets (a core per physical core, one kept for the rest:
-    its API server, the gateway, the agents); torch's default, a thread on every core, spin-waits between
-    operations on the core the others need (on 2 cores: vLLM's CPU a token 1.7x, 64 sessions' tok/s 0.8x).
-    vLLM binds its OpenMP threads to cores only in a worker process it starts: where cores are chosen
+    vLLM). vLLM binds its OpenMP threads to cores only in a worker process it starts: where cores are chosen
     (VLLM_CPU_OMP_THREADS_BIND: the user's, or each of several replicas' own), and for tensor-parallel ranks,
     vLLM's worker processes stay; on GPUs, vLLM's own choice."""
     if not on_cpu or tensor_parallel > 1:
         return {}
     if "VLLM_ENABLE_V1_MULTIPROCESSING" in env or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
-    single = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return (
-        single if "OMP_NUM_THREADS" in env else single | {"OMP_NUM_THREADS": str(max(1, physical_cores - 1))}
-    )
-
-
-def physical_cores(cpus: list[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
-    """The physical cores among logical CPUs `cpus` (Linux's sysfs topology: SMT siblings share a core id in
-    a package); where the topology cannot be read, each CPU counts as a core."""
-    cores = set()
-    for cpu in cpus:
-        topology = sysfs / f"cpu{cpu}" / "topology"
-        try:
-            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
-        except OSError:
-            return len(cpus)
-    return len(cores)
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def served_model_of(url: str, config: VLLMConfig) -> str:
