@@ -212,7 +212,9 @@ async def bench_workload(endpoints: dict[str, Endpoint], work: Workload, runs: i
     for run in range(runs):
         for label in rotated(run):
             await harness.settle(at_least_s=threads_end_s())
-            stats = await run_sessions(endpoints[label], work, f"{run + 1}")
+            # (the run's label is in every session's first message: its own per endpoint, so that no endpoint
+            # reuses the prompts another computed on a shared server, from its prefix cache)
+            stats = await run_sessions(endpoints[label], work, f"{run + 1}.{ENDPOINTS.index(label)}")
             result.runs[label].append(stats)
             print(
                 f"[{work.key}] run {run + 1}/{runs} {label:<10}: {stats.tokens} tok in {stats.seconds:.2f} s "

@@ -4,14 +4,15 @@ endpoint, and (ii) through artrl's gateway (token-in/token-out to the same serve
 One `LocalBackend(engine="vllm")` registers the `tiny` preset (vLLM with the hermes tool parser, so its own
 chat endpoint parses tool calls as the gateway does). Phase *base*: both serve the base weights (the gateway
 asks vLLM for the base; the direct client names the base). Phase *adapter*: after one GRPO step the trained
-LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names it. In each phase:
-1, 8 and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each,
-`ignore_eos`, temperature 1, a seed per call), endpoints alternating, median of --runs (5x that at 1 and 8
-sessions), and the median of each round's own ratio (its runs back to back: the host's drift between rounds,
-which moves a ratio of medians by 0.1-0.2 on a 2-core host, cancels); then sequential 1-token calls (the time
-a call costs beyond vLLM's). *client CPU s / 1k tok*: this process's CPU time per 1,000 generated tokens:
-the SDK's work for vLLM direct; the SDK's and the gateway's for artrl (the gateway runs here,
-`model.openai_client()` reaches it without a socket), so the difference is the gateway's. *vLLM direct +
+LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names it. In each phase: 1, 8
+and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each, `ignore_eos`,
+temperature 1, a seed per call; each run's sessions name their endpoint and run in their first message, so
+that no endpoint finds another's prompts in vLLM's prefix cache), endpoints alternating, median of --runs (5x
+that at 1 and 8 sessions), and the median of each round's own ratio (its runs back to back: the host's drift
+between rounds, which moves a ratio of medians by 0.1-0.2 on a 2-core host, cancels); then sequential 1-token
+calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*: this process's CPU time per 1,000
+generated tokens: the SDK's work for vLLM direct; the SDK's and the gateway's for artrl (the gateway runs
+here, `model.openai_client()` reaches it without a socket), so the difference is the gateway's. *vLLM direct +
 logprobs*: the same direct calls asking for each sampled token's logprob too, as artrl's gateway always asks
 vLLM (an RL trainer's request: GRPO's importance weights need them), so that vLLM does the same work for both.
 
@@ -67,7 +68,11 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
         for r in range(runs_at(sessions, args.runs)):
             for label in harness.alternating(LABELS, r):
                 await harness.settle(at_least_s=0.5)
-                stats, cpu, served = await measured(endpoints[label], work, f"{name} {r}", args.server_pid)
+                # (the run's label is in every session's first message: its own per endpoint, or the endpoints
+                # after the first of a round would reuse its prompts from vLLM's prefix cache)
+                stats, cpu, served = await measured(
+                    endpoints[label], work, f"{name} {r}.{LABELS.index(label)}", args.server_pid
+                )
                 runs[label].append((stats, cpu, served))
                 print(
                     f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s, vLLM {served:.2f} s",
