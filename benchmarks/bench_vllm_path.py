@@ -1,24 +1,26 @@
 """The vLLM path like for like: the same vLLM server and weights called (i) directly, through its own chat
 endpoint, and (ii) through artrl's gateway (token-in/token-out to the same server), side by side in one run.
 
-One `LocalBackend(engine="vllm")` registers the `tiny` preset (vLLM with the hermes tool parser, so its own
-chat endpoint parses tool calls as the gateway does). Phase *base*: both serve the base weights (the gateway
-asks vLLM for the base; the direct client names the base). Phase *adapter*: after one GRPO step the trained
-LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names it. In each phase: 1, 8
-and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls, max_tokens each, `ignore_eos`,
-temperature 1, a seed per call; each run's sessions name their endpoint and run in their first message, so
-that no endpoint finds another's prompts in vLLM's prefix cache), endpoints alternating, median of --runs (5x
-that at 1 and 8 sessions), and the median of each round's own ratio (its runs back to back: the host's drift
-between rounds, which moves a ratio of medians by 0.1-0.2 on a 2-core host, cancels); then sequential 1-token
-calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*: this process's CPU time per 1,000
-generated tokens: the SDK's work for vLLM direct; the SDK's and the gateway's for artrl (the gateway runs
-here, `model.openai_client()` reaches it without a socket), so the difference is the gateway's. *vLLM direct +
-logprobs*: the same direct calls asking for each sampled token's logprob too, as artrl's gateway always asks
-vLLM (an RL trainer's request: GRPO's importance weights need them), so that vLLM does the same work for both.
+One `LocalBackend(engine="vllm")` registers the `tiny` preset (or `--preset small`) on vLLM with the hermes
+tool parser (so its own chat endpoint parses tool calls as the gateway does). Phase *base*: both serve the
+base weights (the gateway asks vLLM for the base; the direct client names the base). Phase *adapter*: after
+one GRPO step the trained LoRA is loaded into vLLM as `NAME@1`: the gateway serves it, the direct client names
+it. In each phase: 1, 8 and 64 concurrent agent sessions (bench_rollouts.py's: a 2-tool list, 3 calls,
+max_tokens each, `ignore_eos`, temperature 1, a seed per call; each run's sessions name their endpoint and run
+in their first message, so that no endpoint finds another's prompts in vLLM's prefix cache), endpoints
+alternating, median of --runs (5x that at 1 and 8 sessions), and the median of each round's own ratio (its
+runs back to back: the host's drift between rounds, which moves a ratio of medians by 0.1-0.2 on a 2-core
+host, cancels); then sequential 1-token calls (the time a call costs beyond vLLM's). *client CPU s / 1k tok*:
+this process's CPU time per 1,000 generated tokens: the SDK's work for vLLM direct; the SDK's and the
+gateway's for artrl (the gateway runs here, `model.openai_client()` reaches it without a socket), so the
+difference is the gateway's. *vLLM direct + logprobs*: the same direct calls asking for each sampled token's
+logprob too, as artrl's gateway always asks vLLM (an RL trainer's request: GRPO's importance weights need
+them), so that vLLM does the same work for both.
 
-    .venv/bin/python benchmarks/bench_vllm_path.py [--quick] [--out benchmarks/RESULTS.md]
+    .venv/bin/python benchmarks/bench_vllm_path.py [--quick] [--preset small] [--out benchmarks/RESULTS.md]
 
-It replaces the section `## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_path.py)` of --out.
+It replaces the section `## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_path.py)` of --out
+(`... (bench_vllm_path.py --preset small)` for `small`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ import harness
 from bench_rollouts import CALL_TIMEOUT_S, Endpoint, RunStats, Workload, one_token_ms, run_sessions
 
 SECTION_HEADING = "## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_path.py)"
+
+
+def heading(preset: str) -> str:
+    """The RESULTS section of a preset's run (`tiny`'s is the benchmark's own)."""
+    return SECTION_HEADING if preset == "tiny" else f"{SECTION_HEADING[:-1]} --preset {preset})"
+
+
+def summary_name(preset: str) -> str:
+    return "bench_vllm_path.py" if preset == "tiny" else f"bench_vllm_path.py --preset {preset}"
+
+
 LABELS = ("artrl+vLLM", "vLLM direct", "vLLM direct + logprobs")
 DIRECT = LABELS[1:]
 
@@ -61,7 +74,7 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
     ratios: dict[str, list[str]] = {label: [] for label in DIRECT}
     paired_ratios_of: dict[str, list[str]] = {label: [] for label in DIRECT}
     for sessions in args.sessions:
-        work = Workload("v", "tiny", sessions, args.turns, args.max_tokens)
+        work = Workload("v", args.preset, sessions, args.turns, args.max_tokens)
         for label in LABELS:  # warm-up
             await run_sessions(endpoints[label], work, f"warm-up {name} {label}")
         runs: dict[str, list[tuple[RunStats, float, float]]] = {label: [] for label in LABELS}
@@ -148,7 +161,7 @@ async def run(args: argparse.Namespace) -> list[str]:
 
     import artrl
 
-    folder = harness.ensure_model("tiny", args.model_cache)
+    folder = harness.ensure_model(args.preset, args.model_cache)
     vllm = artrl.VLLMConfig(
         extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
         wire=args.wire,
@@ -195,12 +208,12 @@ async def run(args: argparse.Namespace) -> list[str]:
 def section(args: argparse.Namespace, rows: list[str]) -> str:
     return "\n".join(
         [
-            SECTION_HEADING,
+            heading(args.preset),
             "",
             f"{args.machine_line}; {harness.vllm_version() or 'vLLM ?'}",
             f"- Command: `{harness.command_line()}`; {args.turns} calls per session, max_tokens={args.max_tokens}, "
-            f"median of {args.runs} runs ({runs_at(8, args.runs)} at 1 and 8 sessions), endpoints alternating; `tiny` "
-            "preset; the gateway's wire to vLLM: "
+            f"median of {args.runs} runs ({runs_at(8, args.runs)} at 1 and 8 sessions), endpoints alternating; "
+            f"`{args.preset}` preset; the gateway's wire to vLLM: "
             f"`VLLMConfig(wire={args.wire!r}, stream_interval={args.interval})` ({args.wire_used!r} used); {args.pinned or 'threads not pinned'}",
             "- *artrl / this*: tok/s ratio (acceptance: >= 0.95x vLLM direct at 8 and 64 sessions; <= 2 ms added per "
             "1-token call); *client CPU s / 1k tok*: this process's CPU per 1,000 generated tokens (the SDK; "
@@ -223,6 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=("tiny", "small"),
+        help="the model (`small`: more compute a token, so vLLM's per-step costs weigh less; its own section)",
+    )
     parser.add_argument("--calls", type=int, default=20, help="1-token calls per endpoint and run")
     parser.add_argument("--sessions", default=None, help="comma-separated session counts (default 1,8,64)")
     parser.add_argument(
@@ -259,10 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         print(text)
     else:
-        harness.publish(text, args.out, SECTION_HEADING)
+        harness.publish(text, args.out, heading(args.preset))
         harness.write_summary_row(
             args.out,
-            "bench_vllm_path.py",
+            summary_name(args.preset),
             "one vLLM server, the same weights: artrl's gateway (token-in/token-out) vs vLLM's own chat endpoint",
             "artrl+vLLM / vLLM direct tok/s: " + "; ".join(args.headline),
         )
