@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -40,6 +40,16 @@ import harness
 from bench_rollouts import CALL_TIMEOUT_S, Endpoint, RunStats, Workload, one_token_ms, run_sessions
 
 SECTION_HEADING = "## The vLLM path: artrl's gateway vs vLLM direct (bench_vllm_path.py)"
+LABELS = ("artrl+vLLM", "vLLM direct", "vLLM direct + logprobs")
+DIRECT = LABELS[1:]
+
+
+class Run(NamedTuple):
+    """One measured run: its stats, and the CPU seconds of this process (SDK, gateway) and of vLLM's server."""
+
+    stats: RunStats
+    client_cpu_s: float
+    vllm_cpu_s: float
 
 
 def heading(preset: str) -> str:
@@ -51,21 +61,17 @@ def summary_name(preset: str) -> str:
     return "bench_vllm_path.py" if preset == "tiny" else f"bench_vllm_path.py --preset {preset}"
 
 
-LABELS = ("artrl+vLLM", "vLLM direct", "vLLM direct + logprobs")
-DIRECT = LABELS[1:]
-
-
 def runs_at(sessions: int, runs: int) -> int:
     """Runs per endpoint at a session count: a run of 1 or 8 sessions lasts about a second, and on a 2-core host
     either endpoint's runs then vary 2-3x (389-1,281 tok/s in one process): 5x the runs below 64."""
     return runs * 5 if sessions < 64 else runs
 
 
-async def measured(ep: Endpoint, work: Workload, run: str, server_pid: int) -> tuple[RunStats, float, float]:
+async def measured(ep: Endpoint, work: Workload, run: str, server_pid: int) -> Run:
     """One run; this process's CPU seconds during it, and vLLM's (its server's process tree)."""
     cpu, served = time.process_time(), harness.process_tree_cpu_s(server_pid)
     stats = await run_sessions(ep, work, run)
-    return stats, time.process_time() - cpu, harness.process_tree_cpu_s(server_pid) - served
+    return Run(stats, time.process_time() - cpu, harness.process_tree_cpu_s(server_pid) - served)
 
 
 async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namespace) -> list[str]:
@@ -77,21 +83,22 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
         work = Workload("v", args.preset, sessions, args.turns, args.max_tokens)
         for label in LABELS:  # warm-up
             await run_sessions(endpoints[label], work, f"warm-up {name} {label}")
-        runs: dict[str, list[tuple[RunStats, float, float]]] = {label: [] for label in LABELS}
+        runs: dict[str, list[Run]] = {label: [] for label in LABELS}
         for r in range(runs_at(sessions, args.runs)):
             for label in harness.alternating(LABELS, r):
                 await harness.settle(at_least_s=0.5)
                 # (the run's label is in every session's first message: its own per endpoint, or the endpoints
                 # after the first of a round would reuse its prompts from vLLM's prefix cache)
-                stats, cpu, served = await measured(
+                run = await measured(
                     endpoints[label], work, f"{name} {r}.{LABELS.index(label)}", args.server_pid
                 )
-                runs[label].append((stats, cpu, served))
+                runs[label].append(run)
                 print(
-                    f"[{name} x{sessions}] {label:<12} {stats.tok_s:7.1f} tok/s, cpu {cpu:.2f} s, vLLM {served:.2f} s",
+                    f"[{name} x{sessions}] {label:<12} {run.stats.tok_s:7.1f} tok/s, cpu {run.client_cpu_s:.2f} s, "
+                    f"vLLM {run.vllm_cpu_s:.2f} s",
                     flush=True,
                 )
-        tok_s = {label: statistics.median(s.tok_s for s, _, _ in runs[label]) for label in LABELS}
+        tok_s = {label: statistics.median(run.stats.tok_s for run in runs[label]) for label in LABELS}
         # each round's own ratio (its runs side by side, minutes apart at most): the host's drift cancels
         paired = {
             label: statistics.median(paired_ratios(runs["artrl+vLLM"], runs[label])) for label in LABELS
@@ -100,10 +107,14 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
             ratios[label].append(f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x")
             paired_ratios_of[label].append(f"{paired[label]:.2f}x")
         for label in LABELS:
-            stats = [s for s, _, _ in runs[label]]
+            stats = [run.stats for run in runs[label]]
             calls = [ms for s in stats for ms in s.latencies_ms]
-            cpu_per_k = statistics.median(1000 * c / max(1, s.tokens) for s, c, _ in runs[label])
-            vllm_per_k = statistics.median(1000 * v / max(1, s.tokens) for s, _, v in runs[label])
+            cpu_per_k = statistics.median(
+                1000 * run.client_cpu_s / max(1, run.stats.tokens) for run in runs[label]
+            )
+            vllm_per_k = statistics.median(
+                1000 * run.vllm_cpu_s / max(1, run.stats.tokens) for run in runs[label]
+            )
             rows.append(
                 f"| {name} | {sessions} | {label} | {tok_s[label]:.0f} | "
                 f"{tok_s['artrl+vLLM'] / tok_s[label]:.2f}x | {paired[label]:.2f}x | {harness.percentile(calls, 50):.0f} | "
@@ -132,11 +143,9 @@ async def phase(name: str, endpoints: dict[str, Endpoint], args: argparse.Namesp
     return rows
 
 
-def paired_ratios(
-    ours: list[tuple[RunStats, float, float]], theirs: list[tuple[RunStats, float, float]]
-) -> list[float]:
+def paired_ratios(ours: list[Run], theirs: list[Run]) -> list[float]:
     """Round r's tok/s ratio, ours / theirs (the two runs of a round ran one after the other)."""
-    return [a[0].tok_s / b[0].tok_s for a, b in zip(ours, theirs, strict=True)]
+    return [a.stats.tok_s / b.stats.tok_s for a, b in zip(ours, theirs, strict=True)]
 
 
 async def trained_one_step(model: Any) -> None:

@@ -443,7 +443,10 @@ def test_a_port_another_server_took_is_not_mistaken_for_the_new_server(tmp_path,
     monkeypatch.setattr(vllm_server, "free_port", lambda: ports.pop() if ports else _free_port())
     try:
         server = VLLMServer.start(
-            *(str(tiny_model_dir), "t", tmp_path / "log", VLLMConfig()),
+            str(tiny_model_dir),
+            "t",
+            tmp_path / "log",
+            VLLMConfig(),
             max_model_len=256,
             env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # (as launch.py starts one on CPU: faster)
         )
